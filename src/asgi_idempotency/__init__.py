@@ -1,0 +1,102 @@
+"""Server-side ``Idempotency-Key`` enforcement for Starlette and FastAPI, and the caller's half.
+
+Server names are imported lazily so that ``asgi_idempotency.client`` works in
+processes without Starlette or SQLAlchemy installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .canonical import CanonicalJSONError, canonical_json
+    from .metrics import InMemoryMetrics, MetricsSnapshot, Outcome
+    from .middleware import IdempotencyMiddleware
+    from .policy import Policy, idempotent
+    from .problems import (
+        BodyTooLarge,
+        IdempotencyError,
+        InvalidKey,
+        KeyMismatch,
+        MissingKey,
+        RequestInProgress,
+        StoreUnavailable,
+    )
+    from .stores.base import Claim, ClaimOutcome, Record, RecordStatus, Store, StoredResponse, StoreError
+    from .stores.memory import MemoryStore
+    from .stores.sql import SQLStore
+
+__all__ = [
+    "BodyTooLarge",
+    "CanonicalJSONError",
+    "Claim",
+    "ClaimOutcome",
+    "IdempotencyError",
+    "IdempotencyMiddleware",
+    "InMemoryMetrics",
+    "InvalidKey",
+    "KeyMismatch",
+    "MemoryStore",
+    "MetricsSnapshot",
+    "MissingKey",
+    "Outcome",
+    "Policy",
+    "Record",
+    "RecordStatus",
+    "RequestInProgress",
+    "SQLStore",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "StoredResponse",
+    "__version__",
+    "canonical_json",
+    "idempotent",
+]
+
+_WHERE = {
+    "CanonicalJSONError": ".canonical",
+    "canonical_json": ".canonical",
+    "InMemoryMetrics": ".metrics",
+    "MetricsSnapshot": ".metrics",
+    "Outcome": ".metrics",
+    "IdempotencyMiddleware": ".middleware",
+    "Policy": ".policy",
+    "idempotent": ".policy",
+    "BodyTooLarge": ".problems",
+    "IdempotencyError": ".problems",
+    "InvalidKey": ".problems",
+    "KeyMismatch": ".problems",
+    "MissingKey": ".problems",
+    "RequestInProgress": ".problems",
+    "StoreUnavailable": ".problems",
+    "Claim": ".stores.base",
+    "ClaimOutcome": ".stores.base",
+    "Record": ".stores.base",
+    "RecordStatus": ".stores.base",
+    "Store": ".stores.base",
+    "StoreError": ".stores.base",
+    "StoredResponse": ".stores.base",
+    "MemoryStore": ".stores.memory",
+    "SQLStore": ".stores.sql",
+}
+
+try:
+    __version__ = version("asgi-idempotency")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asgi_idempotency' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

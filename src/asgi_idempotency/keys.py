@@ -1,0 +1,109 @@
+"""The ``Idempotency-Key`` header: parsing, validation and principal scoping."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .asgi import Scope
+from .problems import InvalidKey
+
+__all__ = ["HEADER", "MAX_KEY_LENGTH", "PrincipalFunc", "default_principal", "parse_key", "scoped_key"]
+
+HEADER = b"idempotency-key"
+MAX_KEY_LENGTH = 255
+
+# The principal a record belongs to; None or "" means anonymous. Sync or async.
+PrincipalFunc = Callable[[Scope], "str | None | Awaitable[str | None]"]
+
+
+def parse_key(raw: bytes) -> str:
+    """Validate one header value and return the key it carries.
+
+    Accepts a bare token (1..255 visible ASCII characters) or the Structured Field
+    string form of draft-ietf-httpapi-idempotency-key-header (``"abc"``, with ``\\"``
+    and ``\\\\`` escapes); both spell the same key.
+
+    Raises:
+        InvalidKey: empty, too long, or outside printable ASCII.
+    """
+    value = raw.strip(b" \t")
+    if not value:
+        raise InvalidKey("The Idempotency-Key header is empty; send 1 to 255 printable ASCII characters.")
+    if value.startswith(b'"'):
+        key = _parse_sf_string(value)
+    else:
+        if any(c < 0x21 or c > 0x7E for c in value):
+            raise InvalidKey(
+                "The Idempotency-Key must be printable ASCII without spaces, "
+                'or a quoted string such as "order-42".'
+            )
+        key = value.decode("ascii")
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"The Idempotency-Key must be 1 to {MAX_KEY_LENGTH} characters long.")
+    return key
+
+
+def _parse_sf_string(value: bytes) -> str:
+    # RFC 8941 §4.2.5: DQUOTE *(unescaped / "\" ( DQUOTE / "\" )) DQUOTE, unescaped = %x20-21 / %x23-5B / %x5D-7E
+    out = bytearray()
+    i, end = 1, len(value)
+    while i < end:
+        c = value[i]
+        if c == 0x5C:  # backslash
+            if i + 1 >= end or value[i + 1] not in (0x22, 0x5C):
+                break
+            out.append(value[i + 1])
+            i += 2
+        elif c == 0x22:
+            if i != end - 1:
+                break
+            return out.decode("ascii")
+        elif 0x20 <= c <= 0x7E:
+            out.append(c)
+            i += 1
+        else:
+            break
+    raise InvalidKey('The quoted Idempotency-Key is not a valid string, e.g. "order-42".')
+
+
+def find_key_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The single raw ``Idempotency-Key`` value, or ``None`` when absent.
+
+    Raises:
+        InvalidKey: the header was sent more than once (which key was meant is unknowable).
+    """
+    found: bytes | None = None
+    for name, value in headers:
+        if name.lower() == HEADER:
+            if found is not None:
+                raise InvalidKey("Send the Idempotency-Key header once; it was sent more than once.")
+            found = value
+    return found
+
+
+def default_principal(scope: Scope) -> str | None:
+    """Starlette's authenticated user's identity, when authentication middleware ran."""
+    user: Any = scope.get("user")
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    try:
+        return str(user.identity)
+    except NotImplementedError:
+        return str(user.display_name)
+
+
+async def resolve_principal(func: PrincipalFunc, scope: Scope) -> str:
+    principal = func(scope)
+    if inspect.isawaitable(principal):
+        principal = await principal
+    return principal or ""
+
+
+def scoped_key(principal: str, key: str) -> str:
+    """The record's primary key: a digest of (principal, key), never the raw key."""
+    # Length-prefix the principal so ("a:b", "c") and ("a", "b:c") cannot collide.
+    material = f"{len(principal)}:{principal}\x00{key}".encode()
+    return hashlib.sha256(material).hexdigest()

@@ -1,0 +1,73 @@
+"""Outcomes of guarded requests and an in-process counter of them."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["InMemoryMetrics", "MetricsSink", "MetricsSnapshot", "Outcome"]
+
+
+class Outcome(enum.StrEnum):
+    """What the guard did with one request on a guarded route."""
+
+    EXECUTED = "executed"  # the handler ran and its response was stored
+    REPLAYED = "replayed"  # a stored response was sent; the handler did not run
+    IN_PROGRESS = "in_progress"  # 409: the same key is running elsewhere
+    MISMATCH = "mismatch"  # 422: the key belongs to a different request
+    MISSING_KEY = "missing_key"  # 400
+    INVALID_KEY = "invalid_key"  # 400
+    TOO_LARGE = "too_large"  # 413
+    STORE_UNAVAILABLE = "store_unavailable"  # 503, or run unguarded with fail_open
+    RELEASED = "released"  # the handler ran and failed (5xx, 408/409/425/429, exception)
+    UNGUARDED = "unguarded"  # no key on a route where it is optional
+
+
+class MetricsSink(Protocol):
+    """Receives one call per guarded request. Must not block or raise."""
+
+    def observe(self, route: str, outcome: Outcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    counts: dict[tuple[str, Outcome], int]
+
+    def total(self, outcome: Outcome | None = None, route: str | None = None) -> int:
+        return sum(
+            n
+            for (r, o), n in self.counts.items()
+            if (outcome is None or o is outcome) and (route is None or r == route)
+        )
+
+    def _guarded(self, route: str | None) -> int:
+        return self.total(route=route) - self.total(Outcome.UNGUARDED, route)
+
+    def replay_rate(self, route: str | None = None) -> float:
+        """Replays over all guarded requests (0.0 when there were none)."""
+        guarded = self._guarded(route)
+        return self.total(Outcome.REPLAYED, route) / guarded if guarded else 0.0
+
+    def conflict_rate(self, route: str | None = None) -> float:
+        """422 mismatches over all guarded requests: should be zero."""
+        guarded = self._guarded(route)
+        return self.total(Outcome.MISMATCH, route) / guarded if guarded else 0.0
+
+
+class InMemoryMetrics:
+    """Counts outcomes per route template in process memory; read with :meth:`snapshot`."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, Outcome]] = Counter()
+        self._lock = threading.Lock()
+
+    def observe(self, route: str, outcome: Outcome) -> None:
+        with self._lock:
+            self._counts[(route, outcome)] += 1
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            return MetricsSnapshot(dict(self._counts))

@@ -1,0 +1,430 @@
+"""``IdempotencyMiddleware``: a pure ASGI guard that runs a handler once per key.
+
+The middleware object holds configuration; a fresh :class:`_Guard` per request
+holds that request's state. Flow for a guarded request: policy → key → body and
+fingerprint → one atomic claim → run and capture → complete (or release) → send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from .asgi import ASGIApp, Headers, Message, Receive, Scope, Send, send_response
+from .fingerprint import fingerprint
+from .keys import PrincipalFunc, default_principal, find_key_header, parse_key, resolve_principal, scoped_key
+from .metrics import MetricsSink, Outcome
+from .policy import Policy, lookup, resolve_route
+from .problems import (
+    BodyTooLarge,
+    IdempotencyError,
+    KeyMismatch,
+    MissingKey,
+    RequestInProgress,
+    StoreUnavailable,
+)
+from .stores.base import Claim, ClaimOutcome, Store, StoredResponse, StoreError
+
+__all__ = ["IdempotencyMiddleware"]
+
+logger = logging.getLogger("asgi_idempotency")
+T = TypeVar("T")
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# Outcomes a retry could change: not final, so the key is released rather than stored.
+RELEASED_STATUSES = frozenset({408, 409, 425, 429})
+# Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
+# Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
+_UNSTORED = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"date",
+        b"set-cookie",
+    }
+)
+_REPLAYED = (b"idempotent-replayed", b"true")
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
+    """The response headers that may be replayed to a later request with the same key."""
+    headers = list(headers)
+    dropped = set(_UNSTORED)
+    for name, value in headers:
+        if name.lower() == b"connection":  # headers the Connection header names are hop-by-hop too
+            dropped.update(v.strip().lower() for v in value.split(b","))
+    return tuple((n, v) for n, v in headers if n.lower() not in dropped)
+
+
+class IdempotencyMiddleware:
+    """Enforce ``Idempotency-Key`` on a Starlette or FastAPI app.
+
+    Args:
+        app: the ASGI app to guard.
+        store: a :class:`~asgi_idempotency.SQLStore` or :class:`~asgi_idempotency.MemoryStore`.
+        policies: explicit policies by ``"METHOD /route/{template}"`` (or a bare template
+            for every method); they win over ``@idempotent`` on the endpoint.
+        default_policy: applied to requests in ``methods`` on routes with no policy,
+            when they carry the header (default: key optional, 24 h ttl, 30 s lease).
+        methods: methods guarded by default (default POST and PATCH). Safe methods
+            (GET, HEAD, OPTIONS, TRACE) are never guarded.
+        principal: ``scope -> str | None`` (sync or async) naming who owns a key;
+            default: Starlette's authenticated user, else anonymous.
+        fail_open: when the store fails, run the handler unguarded instead of 503.
+            Off by default: a guard that opens under load protects nothing.
+        metrics: receives one ``observe(route, outcome)`` per guarded request.
+        clock: returns the current aware UTC time (tests drive leases with it).
+        retry_after: seconds sent in ``Retry-After`` with a 503 (default 1).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: Store,
+        policies: Mapping[str, Policy] | None = None,
+        default_policy: Policy | None = None,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        principal: PrincipalFunc = default_principal,
+        fail_open: bool = False,
+        metrics: MetricsSink | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+        retry_after: float = 1.0,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.policies = dict(policies or {})
+        self.default_policy = default_policy or Policy()
+        self.methods = frozenset(m.upper() for m in methods)
+        self.principal = principal
+        self.fail_open = fail_open
+        self.metrics = metrics
+        self.clock = clock
+        self.retry_after = retry_after
+        # Completions and releases outlive a cancelled request; keep them referenced.
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        method = scope["method"]
+        resolved = resolve_route(scope)
+        policy = lookup(self.policies, method, resolved, scope["path"])
+        if policy is None and method in self.methods:
+            policy = self.default_policy
+        if policy is None or not policy.enabled:
+            await self.app(scope, receive, send)
+            return
+        route = resolved.template if resolved is not None else "<unmatched>"
+        await _Guard(self, policy, route, scope, receive, send).run()
+
+    def _observe(self, route: str, outcome: Outcome) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(route, outcome)
+
+    async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` to the end even if this request is cancelled meanwhile."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
+
+class _Guard:
+    """One guarded request's state."""
+
+    def __init__(
+        self,
+        mw: IdempotencyMiddleware,
+        policy: Policy,
+        route: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        self.mw, self.policy, self.route = mw, policy, route
+        self.scope, self.receive, self.send = scope, receive, send
+        self.key = ""
+
+    def _log(self, level: int, event: str, **fields: Any) -> None:
+        # Digests only: the scoped key is already a sha256 of (principal, key).
+        logger.log(
+            level,
+            event,
+            extra={"route": self.route, "key_digest": self.key[:16], **fields},
+        )
+
+    async def _reject(self, error: IdempotencyError, outcome: Outcome) -> None:
+        self.mw._observe(self.route, outcome)
+        await error.send(self.send)
+
+    async def run(self) -> None:
+        scope, policy = self.scope, self.policy
+        try:
+            raw_key = find_key_header(scope["headers"])
+            if raw_key is None:
+                if policy.required:
+                    raise MissingKey(
+                        "This endpoint requires an Idempotency-Key header; generate one key "
+                        "per logical operation and send the same key on every retry."
+                    )
+                self.mw._observe(self.route, Outcome.UNGUARDED)
+                await self.mw.app(scope, self.receive, self.send)
+                return
+            client_key = parse_key(raw_key)
+        except MissingKey as exc:
+            await self._reject(exc, Outcome.MISSING_KEY)
+            return
+        except IdempotencyError as exc:
+            await self._reject(exc, Outcome.INVALID_KEY)
+            return
+        try:
+            body = await self._read_body()
+        except BodyTooLarge as exc:
+            await self._reject(exc, Outcome.TOO_LARGE)
+            return
+        if body is None:
+            return  # the client left while sending its body: nothing ran, nothing to answer
+
+        headers: Headers = scope["headers"]
+        content_type = next((v for n, v in headers if n.lower() == b"content-type"), None)
+        chosen = (
+            [(n.lower(), v) for n, v in headers if n.lower() in policy.header_names]
+            if policy.header_names
+            else ()
+        )
+        request_hash = fingerprint(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            body,
+            content_type=content_type,
+            headers=chosen,
+        )
+        principal = await resolve_principal(self.mw.principal, scope)
+        self.key = scoped_key(principal, client_key)
+        await self._claim_and_run(body, request_hash)
+
+    async def _read_body(self) -> bytes | None:
+        limit = self.policy.max_body_bytes
+        for name, value in self.scope["headers"]:
+            if name.lower() == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > limit:
+                    raise BodyTooLarge(self._too_large_detail())
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(self._too_large_detail())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large_detail(self) -> str:
+        return f"The request body exceeds {self.policy.max_body_bytes} bytes for this endpoint."
+
+    async def _claim_and_run(self, body: bytes, request_hash: str) -> None:
+        mw, policy = self.mw, self.policy
+        now = mw.clock()
+        token = uuid.uuid4().hex
+        try:
+            claim = await mw.store.claim(
+                self.key,
+                request_hash,
+                token,
+                now=now,
+                locked_until=now + policy.lease,
+                expires_at=now + policy.ttl,
+            )
+        except StoreError as exc:
+            self._log(logging.ERROR, "idempotency.store_error", phase="claim", error=type(exc).__name__)
+            mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
+            if mw.fail_open:
+                await mw.app(self.scope, _replay_body(body, self.receive), self.send)
+                return
+            await StoreUnavailable(
+                "The idempotency store is unavailable and the request was not processed; "
+                "retry with the same Idempotency-Key.",
+                retry_after=mw.retry_after,
+            ).send(self.send)
+            return
+        if claim.owned:
+            if claim.outcome is ClaimOutcome.TAKEN_OVER:
+                self._log(logging.WARNING, "idempotency.takeover")
+            await self._execute(body, token)
+            return
+        await self._answer_existing(claim, now)
+
+    async def _answer_existing(self, claim: Claim, now: datetime) -> None:
+        record = claim.record
+        assert record is not None
+        if claim.outcome is ClaimOutcome.MISMATCH:
+            self._log(logging.WARNING, "idempotency.mismatch")
+            await self._reject(
+                KeyMismatch(
+                    "This Idempotency-Key was already used with a different request "
+                    "(method, path, query or body). Use a new key for a new operation."
+                ),
+                Outcome.MISMATCH,
+            )
+        elif claim.outcome is ClaimOutcome.COMPLETED:
+            response = record.response
+            assert response is not None
+            self._log(logging.INFO, "idempotency.replay", status=response.status)
+            self.mw._observe(self.route, Outcome.REPLAYED)
+            await send_response(
+                self.send, response.status, [*response.headers, _REPLAYED], response.body
+            )
+        else:
+            remaining = (record.locked_until - now).total_seconds()
+            await self._reject(
+                RequestInProgress(
+                    "A request with this Idempotency-Key is still being processed; "
+                    "retry after the Retry-After interval to get its response.",
+                    retry_after=remaining,
+                ),
+                Outcome.IN_PROGRESS,
+            )
+
+    async def _execute(self, body: bytes, token: str) -> None:
+        mw, policy = self.mw, self.policy
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        renewal = _LeaseRenewal(mw, self.key, token, policy)
+        try:
+            await mw.app(self.scope, _replay_body(body, self.receive), capture)
+        except asyncio.CancelledError:
+            # Cancelled part-way: the effect may or may not have happened, so the
+            # claim stays in progress until its lease ends rather than inviting a rerun.
+            renewal.stop()
+            self._log(logging.WARNING, "idempotency.cancelled")
+            raise
+        except BaseException:
+            renewal.stop()
+            await self._release(token)
+            raise
+        renewal.stop()
+
+        if start is None:
+            await self._release(token)
+            raise RuntimeError("the application returned without sending a response")
+        status: int = start["status"]
+        content = b"".join(chunks)
+        if status >= 500 or status in RELEASED_STATUSES:
+            await self._release(token)
+        else:
+            await self._complete(token, status, start.get("headers", []), content)
+            mw._observe(self.route, Outcome.EXECUTED)
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": content, "more_body": False})
+
+    async def _complete(self, token: str, status: int, headers: Headers, body: bytes) -> None:
+        stored = StoredResponse(status, storable_headers(headers), body)
+        expires_at = self.mw.clock() + self.policy.ttl
+        try:
+            owned = await self.mw._shielded(
+                self.mw.store.complete(self.key, token, stored, expires_at=expires_at)
+            )
+        except StoreError as exc:
+            # The effect happened but is not recorded: the client still gets the true
+            # response; the row stays in progress until its lease ends (README: guarantees).
+            self._log(logging.ERROR, "idempotency.store_error", phase="complete", error=type(exc).__name__)
+            return
+        if not owned:
+            self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
+
+    async def _release(self, token: str) -> None:
+        self.mw._observe(self.route, Outcome.RELEASED)
+        try:
+            await self.mw._shielded(self.mw.store.release(self.key, token))
+        except StoreError as exc:
+            self._log(logging.ERROR, "idempotency.store_error", phase="release", error=type(exc).__name__)
+
+
+def _replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the buffered body once, then defers to the real one.
+
+    Later calls reach the server, so the app still sees ``http.disconnect``.
+    """
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _LeaseRenewal:
+    """Renews a claim's lease every third of the lease while its handler runs.
+
+    A timer, not a task, until the first renewal is due, so a handler that finishes
+    within a third of the lease costs no renewal statement and no extra task.
+    """
+
+    def __init__(self, mw: IdempotencyMiddleware, key: str, token: str, policy: Policy) -> None:
+        self.mw, self.key, self.token, self.policy = mw, key, token, policy
+        self.interval = policy.lease.total_seconds() / 3
+        loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = loop.call_later(self.interval, self._spawn)
+        self._task: asyncio.Task[None] | None = None
+
+    def _spawn(self) -> None:
+        self._timer = None
+        self._task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                owned = await self.mw.store.renew(
+                    self.key, self.token, locked_until=self.mw.clock() + self.policy.lease
+                )
+            except StoreError:
+                owned = True  # transient; the next tick tries again before the lease ends
+                logger.warning("idempotency.renew_failed", extra={"key_digest": self.key[:16]})
+            if not owned:
+                logger.error("idempotency.claim_lost", extra={"key_digest": self.key[:16]})
+                return
+            await asyncio.sleep(self.interval)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,158 @@
+"""Per-route policy, the ``@idempotent`` decorator, and route resolution through the app's router."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .asgi import Scope
+
+__all__ = ["Policy", "ResolvedRoute", "idempotent", "resolve_route"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_POLICY_ATTR = "__idempotency_policy__"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How one route is guarded.
+
+    Attributes:
+        enabled: ``False`` exempts the route entirely (no store access).
+        required: a request without ``Idempotency-Key`` gets 400 instead of running unguarded.
+        ttl: how long a completed response is kept and replayed (default 24 hours).
+        lease: how long an in-progress claim is honoured without renewal before it
+            counts as abandoned (default 30 s). A live worker renews it every third
+            of the lease, so this bounds a dead worker's silence, not the handler's run time.
+        max_body_bytes: request bodies above this get 413 before the store is touched
+            (default 1 MiB).
+        fingerprint_headers: request headers (case-insensitive) that enter the
+            fingerprint besides method, path, query and body.
+        transactional: run the handler inside the claim's Postgres transaction.
+    """
+
+    enabled: bool = True
+    required: bool = False
+    ttl: timedelta = timedelta(hours=24)
+    lease: timedelta = timedelta(seconds=30)
+    max_body_bytes: int = 1024 * 1024
+    fingerprint_headers: tuple[str, ...] = ()
+    transactional: bool = False
+    _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.ttl <= timedelta(0) or self.lease <= timedelta(0):
+            raise ValueError("ttl and lease must be positive")
+        if self.lease > self.ttl:
+            raise ValueError("lease must not exceed ttl")
+        if self.max_body_bytes < 0:
+            raise ValueError("max_body_bytes must be >= 0")
+        names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
+        object.__setattr__(self, "_header_names", names)
+
+    @property
+    def header_names(self) -> frozenset[bytes]:
+        return self._header_names
+
+
+def idempotent(
+    *,
+    enabled: bool = True,
+    required: bool = False,
+    ttl: timedelta = timedelta(hours=24),
+    lease: timedelta = timedelta(seconds=30),
+    max_body_bytes: int = 1024 * 1024,
+    fingerprint_headers: Iterable[str] = (),
+    transactional: bool = False,
+) -> Callable[[F], F]:
+    """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
+
+    Put it below the framework's route decorator (``@app.post(...)`` on top). The
+    function is returned unchanged, so FastAPI still sees its signature.
+    """
+    policy = Policy(
+        enabled=enabled,
+        required=required,
+        ttl=ttl,
+        lease=lease,
+        max_body_bytes=max_body_bytes,
+        fingerprint_headers=tuple(fingerprint_headers),
+        transactional=transactional,
+    )
+
+    def mark(func: F) -> F:
+        setattr(func, _POLICY_ATTR, policy)
+        return func
+
+    return mark
+
+
+def policy_of(endpoint: Any) -> Policy | None:
+    policy = getattr(endpoint, _POLICY_ATTR, None)
+    return policy if isinstance(policy, Policy) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedRoute:
+    template: str  # e.g. "/orders/{order_id}/refunds", mount prefixes included
+    endpoint: Any
+
+
+def _expand(routes: Iterable[Any]) -> Iterable[Any]:
+    # Recent FastAPI keeps included routers nested; its public iter_route_contexts
+    # yields their effective routes with the full prefixed path_format.
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # Starlette only
+        return routes
+    return iter_route_contexts(list(routes))
+
+
+def resolve_route(scope: Scope) -> ResolvedRoute | None:
+    """The route the app's own router would run for ``scope``, or ``None``.
+
+    Walks ``scope["app"].router`` with Starlette's public ``matches`` protocol,
+    into Mounts and FastAPI's nested included routers. Only a full match counts:
+    a 404 or 405 passes through unguarded because no handler runs.
+    """
+    from starlette.routing import Match, Mount
+
+    app = scope.get("app")
+    router = getattr(app, "router", None)
+    if router is None:
+        return None
+    return _walk(getattr(router, "routes", ()), dict(scope), "", Match, Mount)
+
+
+def _walk(routes: Iterable[Any], scope: dict[str, Any], prefix: str, Match: Any, Mount: Any) -> ResolvedRoute | None:
+    for route in _expand(routes):
+        try:
+            match, child = route.matches(scope)
+        except (AttributeError, NotImplementedError, KeyError):
+            continue
+        if match is not Match.FULL:
+            continue
+        original = getattr(route, "original_route", route)
+        if isinstance(original, Mount):
+            sub = {**scope, **child}
+            found = _walk(original.routes, sub, prefix + original.path, Match, Mount)
+            if found is not None:
+                return found
+            continue
+        template = getattr(route, "path_format", None) or getattr(route, "path", "")
+        return ResolvedRoute(prefix + template, child.get("endpoint", getattr(route, "endpoint", None)))
+    return None
+
+
+def lookup(
+    policies: Mapping[str, Policy], method: str, resolved: ResolvedRoute | None, path: str
+) -> Policy | None:
+    """The explicit policy for a request: ``policies`` first, then the endpoint's decorator."""
+    template = resolved.template if resolved is not None else path
+    explicit = policies.get(f"{method} {template}") or policies.get(template)
+    if explicit is not None:
+        return explicit
+    return policy_of(resolved.endpoint) if resolved is not None else None

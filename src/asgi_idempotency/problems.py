@@ -1,0 +1,102 @@
+"""The error tree and its RFC 9457 ``application/problem+json`` rendering.
+
+::
+
+    IdempotencyError            (abstract; carries status, type, title)
+    ├── MissingKey              400  required key absent
+    ├── InvalidKey              400  empty, too long, not printable ASCII, sent twice
+    ├── BodyTooLarge            413  request body over the policy's limit
+    ├── KeyMismatch             422  same key, different request
+    ├── RequestInProgress       409  same key still running elsewhere (Retry-After)
+    └── StoreUnavailable        503  the store failed; the handler did not run (Retry-After)
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+from .asgi import Send, send_response
+
+__all__ = [
+    "BodyTooLarge",
+    "IdempotencyError",
+    "InvalidKey",
+    "KeyMismatch",
+    "MissingKey",
+    "RequestInProgress",
+    "StoreUnavailable",
+]
+
+# Stable, dereference-free identifiers (RFC 9457 §3.1.1 allows non-resolvable URIs).
+_TYPE_PREFIX = "urn:asgi-idempotency:problem:"
+
+
+class IdempotencyError(Exception):
+    """Base of every error the middleware answers for itself."""
+
+    status: int = 500
+    slug: str = "error"
+    title: str = "Idempotency error"
+
+    def __init__(self, detail: str, *, retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return _TYPE_PREFIX + self.slug
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {"type": self.type, "title": self.title, "status": self.status, "detail": self.detail}
+        )
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", b"application/problem+json")]
+        if self.retry_after is not None:
+            seconds = max(1, math.ceil(self.retry_after))
+            headers.append((b"retry-after", str(seconds).encode()))
+        return headers
+
+    async def send(self, send: Send) -> None:
+        """Answer the request with this problem."""
+        await send_response(send, self.status, self.headers(), self.body())
+
+
+class MissingKey(IdempotencyError):
+    status = 400
+    slug = "missing-key"
+    title = "Idempotency-Key header required"
+
+
+class InvalidKey(IdempotencyError):
+    status = 400
+    slug = "invalid-key"
+    title = "Invalid Idempotency-Key header"
+
+
+class BodyTooLarge(IdempotencyError):
+    status = 413
+    slug = "body-too-large"
+    title = "Request body too large"
+
+
+class KeyMismatch(IdempotencyError):
+    status = 422
+    slug = "key-reused"
+    title = "Idempotency-Key reused with a different request"
+
+
+class RequestInProgress(IdempotencyError):
+    status = 409
+    slug = "in-progress"
+    title = "A request with this Idempotency-Key is in progress"
+
+
+class StoreUnavailable(IdempotencyError):
+    status = 503
+    slug = "store-unavailable"
+    title = "Idempotency store unavailable"

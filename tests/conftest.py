@@ -1,0 +1,302 @@
+"""Shared fixtures: every store through one parametrised fixture, a real Postgres, real servers.
+
+Postgres comes from ``IDEMPOTENCY_TEST_DATABASE_URL`` when set, else a server on
+127.0.0.1:5432 (user postgres), else a throwaway server started from local
+binaries by pytest-postgresql. Each run creates and drops a database of its own.
+If no Postgres can be had, Postgres tests fail (never skip) and say how to get one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pytest_postgresql import factories
+from pytest_postgresql.janitor import DatabaseJanitor
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from asgi_idempotency import MemoryStore, SQLStore
+from asgi_idempotency.stores.base import Store
+
+NO_POSTGRES = (
+    "PostgreSQL is required for these tests and none could be reached or started. "
+    "Start one with `docker compose up -d` (see README), or set "
+    "IDEMPOTENCY_TEST_DATABASE_URL=postgresql+asyncpg://user@host:port/db."
+)
+
+
+def _pg_ctl() -> str | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+    return found[-1] if found else None
+
+
+# A throwaway server from local binaries: the last resort when nothing is listening.
+pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass(frozen=True)
+class PgServer:
+    host: str
+    port: int
+    user: str
+    password: str | None
+
+    def url(self, dbname: str) -> str:
+        auth = self.user if not self.password else f"{self.user}:{self.password}"
+        return f"postgresql+asyncpg://{auth}@{self.host}:{self.port}/{dbname}"
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def pg_server(request: pytest.FixtureRequest) -> PgServer:
+    env = os.environ.get("IDEMPOTENCY_TEST_DATABASE_URL")
+    if env:
+        u = make_url(env)
+        return PgServer(u.host or "127.0.0.1", u.port or 5432, u.username or "postgres", u.password)
+    if _reachable("127.0.0.1", 5432):
+        return PgServer("127.0.0.1", 5432, "postgres", None)
+    try:
+        proc = request.getfixturevalue("pg_throwaway_proc")
+    except Exception as exc:  # any failure to start one ends in the same advice
+        pytest.fail(f"{NO_POSTGRES} ({type(exc).__name__}: {exc})", pytrace=False)
+    return PgServer(proc.host, int(proc.port), proc.user, proc.password or None)
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server: PgServer) -> Iterator[str]:
+    """A ``postgresql+asyncpg`` URL of a database created for this test run, with the schema."""
+    dbname = f"idem_test_{uuid.uuid4().hex[:12]}"
+    with DatabaseJanitor(
+        user=pg_server.user,
+        host=pg_server.host,
+        port=pg_server.port,
+        dbname=dbname,
+        password=pg_server.password,
+    ):
+        url = pg_server.url(dbname)
+        _prepare(url)
+        yield url
+
+
+def _prepare(url: str) -> None:
+    """Create the schema; in a thread of its own, as callers may already run a loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asgi_idempotency.demo import prepare
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, prepare(url)).result()
+
+
+async def truncate(store: SQLStore) -> None:
+    async with store.engine.begin() as conn:
+        if store.dialect == "postgresql":
+            await conn.execute(text("TRUNCATE idempotency_records, demo_refunds"))
+        else:
+            await conn.execute(text("DELETE FROM idempotency_records"))
+            await conn.execute(text("DELETE FROM demo_refunds"))
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'idempotency.db'}"
+    _prepare(url)
+    return url
+
+
+STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """Every store kind, each empty; the contract and middleware suites run on all of them."""
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+    sql = SQLStore(url)
+    await truncate(sql)
+    try:
+        yield sql
+    finally:
+        await sql.close()
+
+
+@pytest.fixture
+async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
+    sql = SQLStore(pg_url)
+    await truncate(sql)
+    try:
+        yield sql
+    finally:
+        await sql.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A real uvicorn process on a loopback port."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the supervisor and every worker)."""
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=20)
+
+
+@contextmanager
+def run_uvicorn(
+    app: str,
+    *,
+    env: dict[str, str],
+    log_dir: Path,
+    workers: int = 1,
+    extra_args: tuple[str, ...] = (),
+    ready_path: str = "/refunds/count",
+    timeout: float = 30.0,
+) -> Iterator[Server]:
+    """Start ``uvicorn app`` in its own process group; wait until it answers; kill it after."""
+    port = free_port()
+    log = log_dir / f"uvicorn-{port}.log"
+    cmd = [
+        sys.executable, "-m", "uvicorn", app,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--workers", str(workers), "--log-level", "warning", *extra_args,
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"uvicorn exited early:\n{log.read_text()}")
+            try:
+                if httpx.get(server.base_url + ready_path, timeout=1).status_code < 500:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not become ready:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        server.kill()
+
+
+@dataclass
+class Tiny:
+    """A tiny guarded Starlette app that counts how often its handlers ran."""
+
+    app: Any
+    calls: dict[str, int]
+    gate: asyncio.Event
+
+    def client(self, **kwargs: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://test", **kwargs
+        )
+
+
+@pytest.fixture
+def tiny() -> Any:
+    """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
+
+    Routes: ``POST /pay`` (201 with a fresh id; waits on ``gate`` when the body has
+    ``"wait": true``), ``POST /fail/{status}`` (answers that status), ``POST /boom``
+    (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
+    """
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from asgi_idempotency import IdempotencyMiddleware
+
+    def build(store: Store, **kwargs: Any) -> Tiny:
+        calls: dict[str, int] = {}
+        gate = asyncio.Event()
+
+        def count(name: str) -> None:
+            calls[name] = calls.get(name, 0) + 1
+
+        async def pay(request: Request) -> Response:
+            count("pay")
+            body = await request.body()
+            data = await request.json() if body else {}
+            if data.get("wait"):
+                await gate.wait()
+            return JSONResponse({"id": uuid.uuid4().hex, "echo": data}, status_code=201)
+
+        async def fail(request: Request) -> Response:
+            count("fail")
+            return JSONResponse({"n": calls["fail"]}, status_code=int(request.path_params["status"]))
+
+        async def boom(request: Request) -> Response:
+            count("boom")
+            raise RuntimeError("handler failed")
+
+        async def get_pay(request: Request) -> Response:
+            count("get")
+            return JSONResponse({"ok": True})
+
+        async def cookie(request: Request) -> Response:
+            count("cookie")
+            response = JSONResponse({"n": calls["cookie"]})
+            response.set_cookie("session", "secret-session")
+            return response
+
+        app = Starlette(
+            routes=[
+                Route("/pay", pay, methods=["POST"]),
+                Route("/pay", get_pay, methods=["GET"]),
+                Route("/fail/{status:int}", fail, methods=["POST"]),
+                Route("/boom", boom, methods=["POST"]),
+                Route("/cookie", cookie, methods=["POST"]),
+            ],
+            middleware=[Middleware(IdempotencyMiddleware, store=store, **kwargs)],
+        )
+        return Tiny(app, calls, gate)
+
+    return build
