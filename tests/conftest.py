@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,10 +175,8 @@ class Server:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (the supervisor and every worker)."""
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
         self.process.wait(timeout=20)
 
 
@@ -203,7 +201,11 @@ def run_uvicorn(
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     server = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
@@ -271,7 +273,9 @@ def tiny() -> Any:
 
         async def fail(request: Request) -> Response:
             count("fail")
-            return JSONResponse({"n": calls["fail"]}, status_code=int(request.path_params["status"]))
+            return JSONResponse(
+                {"n": calls["fail"]}, status_code=int(request.path_params["status"])
+            )
 
         async def boom(request: Request) -> Response:
             count("boom")

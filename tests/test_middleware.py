@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 
 from asgi_idempotency import Policy, SQLStore
@@ -33,8 +32,16 @@ async def test_first_request_runs_then_replays_identical_bytes(store: Store, tin
 async def test_reserialised_json_is_the_same_request(store: Store, tiny: Any) -> None:
     t = tiny(store)
     async with t.client() as c:
-        await c.post("/pay", content=b'{"amount": 4500, "currency": "EUR"}', headers={**KEY, "content-type": "application/json"})
-        again = await c.post("/pay", content=b'{"currency":"EUR","amount":4500.0}', headers={**KEY, "content-type": "application/json"})
+        await c.post(
+            "/pay",
+            content=b'{"amount": 4500, "currency": "EUR"}',
+            headers={**KEY, "content-type": "application/json"},
+        )
+        again = await c.post(
+            "/pay",
+            content=b'{"currency":"EUR","amount":4500.0}',
+            headers={**KEY, "content-type": "application/json"},
+        )
     assert again.status_code == 201
     assert again.headers["idempotent-replayed"] == "true"
     assert t.calls == {"pay": 1}
@@ -52,7 +59,9 @@ async def test_handler_receives_the_original_bytes(store: Store, tiny: Any) -> N
     ("second_body", "query"),
     [({"amount": 4501}, ""), ({"amount": 4500}, "?currency=USD")],
 )
-async def test_same_key_different_request_is_422(store: Store, tiny: Any, second_body: dict[str, int], query: str) -> None:
+async def test_same_key_different_request_is_422(
+    store: Store, tiny: Any, second_body: dict[str, int], query: str
+) -> None:
     t = tiny(store)
     async with t.client() as c:
         await c.post("/pay", json={"amount": 4500}, headers=KEY)
@@ -67,7 +76,9 @@ async def test_duplicate_while_in_flight_is_409_with_retry_after(store: Store, t
     t = tiny(store, policies={"POST /pay": Policy(required=True)})
     async with t.client() as c:
         first = asyncio.create_task(c.post("/pay", json={"wait": True}, headers=KEY))
-        while t.calls.get("pay", 0) == 0:
+        for _ in range(500):  # until the first request is inside its handler
+            if t.calls.get("pay"):
+                break
             await asyncio.sleep(0.01)
         dup = await c.post("/pay", json={"wait": True}, headers=KEY)
         mismatch = await c.post("/pay", json={"wait": False}, headers=KEY)
@@ -150,7 +161,9 @@ async def test_optional_key_missing_runs_unguarded(store: Store, tiny: Any) -> N
     "value",
     [b"", b"   ", b"a" * 256, b"caf\xc3\xa9", b"a b", b"a\x01", b'"unterminated', b'"a"b"', b'""'],
 )
-async def test_invalid_keys_are_400_and_store_nothing(store: Store, tiny: Any, value: bytes) -> None:
+async def test_invalid_keys_are_400_and_store_nothing(
+    store: Store, tiny: Any, value: bytes
+) -> None:
     t = tiny(store)
     async with t.client() as c:
         r = await c.post("/pay", json={}, headers=[(b"idempotency-key", value)])
@@ -162,7 +175,9 @@ async def test_invalid_keys_are_400_and_store_nothing(store: Store, tiny: Any, v
 async def test_key_sent_twice_is_400(store: Store, tiny: Any) -> None:
     t = tiny(store)
     async with t.client() as c:
-        r = await c.post("/pay", json={}, headers=[(b"idempotency-key", b"a"), (b"idempotency-key", b"a")])
+        r = await c.post(
+            "/pay", json={}, headers=[(b"idempotency-key", b"a"), (b"idempotency-key", b"a")]
+        )
     assert r.status_code == 400
     assert t.calls == {}
 
@@ -263,5 +278,3 @@ async def test_problem_bodies_follow_rfc9457(store: Store, tiny: Any) -> None:
     assert set(body) == {"type", "title", "status", "detail"}
     assert body["status"] == 400
     assert body["type"].startswith("urn:asgi-idempotency:problem:")
-
-

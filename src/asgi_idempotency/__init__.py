@@ -24,7 +24,15 @@ if TYPE_CHECKING:
         RequestInProgress,
         StoreUnavailable,
     )
-    from .stores.base import Claim, ClaimOutcome, Record, RecordStatus, Store, StoredResponse, StoreError
+    from .stores.base import (
+        Claim,
+        ClaimOutcome,
+        Record,
+        RecordStatus,
+        Store,
+        StoredResponse,
+        StoreError,
+    )
     from .stores.memory import MemoryStore
     from .stores.sql import SQLStore
 

@@ -80,10 +80,19 @@ def canonical_json(value: Any) -> bytes:
     ``Decimal("4500.00")`` give the same bytes; tuples serialise as lists.
 
     Raises:
-        CanonicalJSONError: for NaN or infinities, non-``str`` object keys, and any
-            type outside JSON's data model (it is never ``str()``-ed silently).
+        CanonicalJSONError: for NaN or infinities, non-``str`` object keys, any type
+            outside JSON's data model (it is never ``str()``-ed silently), strings
+            with lone surrogates (no UTF-8 form), and nesting deeper than orjson's
+            limit of 254 levels.
     """
-    return orjson.dumps(_normalize(value), option=orjson.OPT_SORT_KEYS)
+    try:
+        return orjson.dumps(_normalize(value), option=orjson.OPT_SORT_KEYS)
+    except RecursionError as exc:
+        raise CanonicalJSONError("value is nested too deeply") from exc
+    except orjson.JSONEncodeError as exc:
+        # orjson's own refusals (lone surrogates, its recursion limit) are the same
+        # kind of failure as ours; callers should need to catch one error only.
+        raise CanonicalJSONError(str(exc)) from exc
 
 
 def canonicalize_json_bytes(body: bytes) -> bytes | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +30,7 @@ from .middleware import IdempotencyMiddleware
 from .policy import Policy
 from .stores.sql import SQLStore
 
-__all__ = ["app", "count_refunds", "create_app", "refunds"]
+__all__ = ["count_refunds", "create_app", "refunds", "run_demo"]  # and `app`, built on access
 
 demo_metadata = MetaData()
 refunds = Table(
@@ -111,6 +112,87 @@ def _from_env() -> Starlette:
         guarded=os.environ.get("IDEMPOTENCY_DEMO_GUARDED", "1") != "0",
         lease=float(os.environ.get("IDEMPOTENCY_DEMO_LEASE", "30")),
     )
+
+
+async def _serve(app: Starlette) -> tuple[Any, asyncio.Task[None], str]:
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.025)
+    return server, task, f"http://127.0.0.1:{port}"
+
+
+async def play_incident(
+    url: str, *, guarded: bool, client_timeout: float = 1.0, delay: float = 1.5
+) -> int:
+    """Serve the refund app on loopback and replay the incident; return the refunds issued."""
+    import httpx
+
+    server, task, base = await _serve(create_app(url, guarded=guarded))
+    label = "guarded  " if guarded else "unguarded"
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"  [{label} +{time.monotonic() - started:4.1f}s] {text}", flush=True)
+
+    key = {"Idempotency-Key": f"refund-order-42-{uuid.uuid4().hex[:8]}"}
+    body = {"amount": 4500, "delay": delay}
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=client_timeout) as client:
+            say(f"POST /orders/42/refunds (handler takes {delay}s, client waits {client_timeout}s)")
+            try:
+                await client.post("/orders/42/refunds", json=body, headers=key)
+            except httpx.ReadTimeout:
+                say("client timed out: did the refund happen? unknown. Retrying with the same key")
+            for _ in range(20):
+                # The retry waits long enough to see an answer this time.
+                r = await client.post(
+                    "/orders/42/refunds", json=body, headers=key, timeout=delay + 5
+                )
+                replayed = r.headers.get("idempotent-replayed") == "true"
+                if r.status_code == 409:
+                    wait = float(r.headers.get("retry-after", "1"))
+                    say("409 in progress: the first attempt is still running; retrying shortly")
+                    await asyncio.sleep(min(wait, delay))
+                    continue
+                detail = r.json().get("refund_id", "")
+                say(f"{r.status_code} refund_id={detail}" + (" (replayed)" if replayed else ""))
+                break
+            await asyncio.sleep(delay)  # let any straggling handler finish before counting
+            count = (await client.get("/refunds/count")).json()["refunds"]
+    finally:
+        server.should_exit = True
+        await task
+    say(f"refunds issued: {count}")
+    return int(count)
+
+
+async def run_demo() -> int:
+    """The incident twice on the embedded SQLite default: guarded (1 refund), unguarded (2)."""
+    import tempfile
+
+    print("A refund handler slower than its client's timeout, then a retry.\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        guarded_url = f"sqlite+aiosqlite:///{tmp}/guarded.db"
+        unguarded_url = f"sqlite+aiosqlite:///{tmp}/unguarded.db"
+        await prepare(guarded_url)
+        await prepare(unguarded_url)
+        guarded = await play_incident(guarded_url, guarded=True)
+        print()
+        unguarded = await play_incident(unguarded_url, guarded=False)
+    print(f"\nWith asgi-idempotency: {guarded} refund. Without: {unguarded} refunds.")
+    return 0 if (guarded, unguarded) == (1, 2) else 1
 
 
 def __getattr__(name: str) -> Any:

@@ -43,8 +43,8 @@ def fingerprint(
         for name, value in pairs:
             h.update(f"{len(name)}:{name}={len(value)}:{value}&".encode("utf-8", "surrogateescape"))
     h.update(b"\x00")
-    for name, value in sorted(headers):
-        h.update(b"%d:%s=%d:%s\n" % (len(name), name, len(value), value))
+    for hname, hvalue in sorted(headers):
+        h.update(b"%d:%s=%d:%s\n" % (len(hname), hname, len(hvalue), hvalue))
     h.update(b"\x00")
     canonical = canonicalize_json_bytes(body) if body and is_json(content_type) else None
     if canonical is not None:

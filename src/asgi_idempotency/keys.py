@@ -10,13 +10,20 @@ from typing import Any
 from .asgi import Scope
 from .problems import InvalidKey
 
-__all__ = ["HEADER", "MAX_KEY_LENGTH", "PrincipalFunc", "default_principal", "parse_key", "scoped_key"]
+__all__ = [
+    "HEADER",
+    "MAX_KEY_LENGTH",
+    "PrincipalFunc",
+    "default_principal",
+    "parse_key",
+    "scoped_key",
+]
 
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
 
 # The principal a record belongs to; None or "" means anonymous. Sync or async.
-PrincipalFunc = Callable[[Scope], "str | None | Awaitable[str | None]"]
+PrincipalFunc = Callable[[Scope], "Awaitable[str | None] | str | None"]
 
 
 def parse_key(raw: bytes) -> str:
@@ -31,7 +38,9 @@ def parse_key(raw: bytes) -> str:
     """
     value = raw.strip(b" \t")
     if not value:
-        raise InvalidKey("The Idempotency-Key header is empty; send 1 to 255 printable ASCII characters.")
+        raise InvalidKey(
+            "The Idempotency-Key header is empty; send 1 to 255 printable ASCII characters."
+        )
     if value.startswith(b'"'):
         key = _parse_sf_string(value)
     else:
@@ -47,7 +56,8 @@ def parse_key(raw: bytes) -> str:
 
 
 def _parse_sf_string(value: bytes) -> str:
-    # RFC 8941 §4.2.5: DQUOTE *(unescaped / "\" ( DQUOTE / "\" )) DQUOTE, unescaped = %x20-21 / %x23-5B / %x5D-7E
+    # RFC 8941 §4.2.5: DQUOTE *(unescaped / "\" ( DQUOTE / "\" )) DQUOTE,
+    # unescaped = %x20-21 / %x23-5B / %x5D-7E
     out = bytearray()
     i, end = 1, len(value)
     while i < end:
@@ -79,7 +89,9 @@ def find_key_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name.lower() == HEADER:
             if found is not None:
-                raise InvalidKey("Send the Idempotency-Key header once; it was sent more than once.")
+                raise InvalidKey(
+                    "Send the Idempotency-Key header once; it was sent more than once."
+                )
             found = value
     return found
 

@@ -16,7 +16,14 @@ from typing import Any, TypeVar
 
 from .asgi import ASGIApp, Headers, Message, Receive, Scope, Send, send_response
 from .fingerprint import fingerprint
-from .keys import PrincipalFunc, default_principal, find_key_header, parse_key, resolve_principal, scoped_key
+from .keys import (
+    PrincipalFunc,
+    default_principal,
+    find_key_header,
+    parse_key,
+    resolve_principal,
+    scoped_key,
+)
 from .metrics import MetricsSink, Outcome
 from .policy import Policy, lookup, resolve_route
 from .problems import (
@@ -262,7 +269,9 @@ class _Guard:
                 expires_at=now + policy.ttl,
             )
         except StoreError as exc:
-            self._log(logging.ERROR, "idempotency.store_error", phase="claim", error=type(exc).__name__)
+            self._log(
+                logging.ERROR, "idempotency.store_error", phase="claim", error=type(exc).__name__
+            )
             mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
             if mw.fail_open:
                 await mw.app(self.scope, _replay_body(body, self.receive), self.send)
@@ -361,7 +370,9 @@ class _Guard:
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
             # response; the row stays in progress until its lease ends (README: guarantees).
-            self._log(logging.ERROR, "idempotency.store_error", phase="complete", error=type(exc).__name__)
+            self._log(
+                logging.ERROR, "idempotency.store_error", phase="complete", error=type(exc).__name__
+            )
             return
         if not owned:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
@@ -371,7 +382,9 @@ class _Guard:
         try:
             await self.mw._shielded(self.mw.store.release(self.key, token))
         except StoreError as exc:
-            self._log(logging.ERROR, "idempotency.store_error", phase="release", error=type(exc).__name__)
+            self._log(
+                logging.ERROR, "idempotency.store_error", phase="release", error=type(exc).__name__
+            )
 
 
 def _replay_body(body: bytes, receive: Receive) -> Receive:

@@ -1,4 +1,4 @@
-"""Per-route policy, the ``@idempotent`` decorator, and route resolution through the app's router."""
+"""Per-route policy, the ``@idempotent`` decorator, and route resolution through the router."""
 
 from __future__ import annotations
 
@@ -127,7 +127,9 @@ def resolve_route(scope: Scope) -> ResolvedRoute | None:
     return _walk(getattr(router, "routes", ()), dict(scope), "", Match, Mount)
 
 
-def _walk(routes: Iterable[Any], scope: dict[str, Any], prefix: str, Match: Any, Mount: Any) -> ResolvedRoute | None:
+def _walk(
+    routes: Iterable[Any], scope: dict[str, Any], prefix: str, Match: Any, Mount: Any
+) -> ResolvedRoute | None:
     for route in _expand(routes):
         try:
             match, child = route.matches(scope)
@@ -142,8 +144,10 @@ def _walk(routes: Iterable[Any], scope: dict[str, Any], prefix: str, Match: Any,
             if found is not None:
                 return found
             continue
-        template = getattr(route, "path_format", None) or getattr(route, "path", "")
-        return ResolvedRoute(prefix + template, child.get("endpoint", getattr(route, "endpoint", None)))
+        template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
+        return ResolvedRoute(
+            prefix + template, child.get("endpoint", getattr(route, "endpoint", None))
+        )
     return None
 
 

@@ -25,7 +25,9 @@ def tok() -> str:
     return uuid.uuid4().hex
 
 
-async def claim(store: Store, key: str = "k" * 64, h: str = "h1", token: str | None = None, now: datetime = T0):
+async def claim(
+    store: Store, key: str = "k" * 64, h: str = "h1", token: str | None = None, now: datetime = T0
+):
     return await store.claim(
         key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
     )
@@ -112,7 +114,12 @@ async def test_expired_record_behaves_as_new_before_prune(store: Store) -> None:
 async def test_prune_deletes_only_expired_rows_in_batches(store: Store) -> None:
     for i in range(5):
         await store.claim(
-            f"{i:064d}", "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + timedelta(minutes=i + 1)
+            f"{i:064d}",
+            "h",
+            tok(),
+            now=T0,
+            locked_until=T0 + LEASE,
+            expires_at=T0 + timedelta(minutes=i + 1),
         )
     now = T0 + timedelta(minutes=3, seconds=30)
     assert await store.prune(now=now, batch_size=2) == 2

@@ -1,0 +1,80 @@
+"""Migrations: one head, upgrade from empty, down and up again, no drift from the Table."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from pytest_postgresql.janitor import DatabaseJanitor
+from sqlalchemy import inspect
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from asgi_idempotency.migrations import VERSION_TABLE, alembic_config, downgrade, upgrade
+from asgi_idempotency.stores.schema import metadata
+from tests.conftest import PgServer
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'migrated.db'}"
+        return
+    server: PgServer = request.getfixturevalue("pg_server")
+    dbname = f"idem_mig_{uuid.uuid4().hex[:12]}"
+    with DatabaseJanitor(
+        user=server.user,
+        host=server.host,
+        port=server.port,
+        dbname=dbname,
+        password=server.password,
+    ):
+        yield server.url(dbname)
+
+
+def _inspect(url: str, fn: Any) -> Any:
+    async def go() -> Any:
+        engine = create_async_engine(url)
+        try:
+            async with engine.connect() as conn:
+                return await conn.run_sync(fn)
+        finally:
+            await engine.dispose()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, go()).result()
+
+
+def test_single_head() -> None:
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    assert len(script.get_heads()) == 1
+
+
+def test_upgrade_from_empty_matches_the_table_definition(empty_url: str) -> None:
+    upgrade(empty_url)
+
+    def diff(conn: Any) -> list[Any]:
+        ctx = MigrationContext.configure(
+            conn, opts={"compare_type": True, "version_table": VERSION_TABLE}
+        )
+        return list(compare_metadata(ctx, metadata))
+
+    assert _inspect(empty_url, diff) == []
+    tables = _inspect(empty_url, lambda c: inspect(c).get_table_names())
+    assert {"idempotency_records", VERSION_TABLE} <= set(tables)
+    assert "alembic_version" not in tables  # the application's own history is left alone
+
+
+def test_down_and_up_round_trip(empty_url: str) -> None:
+    upgrade(empty_url)
+    downgrade(empty_url)
+    assert "idempotency_records" not in _inspect(empty_url, lambda c: inspect(c).get_table_names())
+    upgrade(empty_url)
+    assert "idempotency_records" in _inspect(empty_url, lambda c: inspect(c).get_table_names())

@@ -1,0 +1,132 @@
+"""Policies resolved through the app's own router: routes, mounts, FastAPI's nested routers."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import httpx
+import pytest
+from fastapi import APIRouter, FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Mount, Route
+
+from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+
+pytestmark = pytest.mark.anyio
+
+
+def client(app: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")  # type: ignore[arg-type]
+
+
+def fastapi_app(calls: list[str]) -> FastAPI:
+    inner = APIRouter(prefix="/orders/{order_id}")
+
+    @inner.post("/refunds", status_code=201)
+    @idempotent(required=True, ttl=timedelta(hours=1))
+    async def refund(order_id: int) -> dict[str, object]:
+        calls.append(f"refund {order_id}")
+        return {"order": order_id, "n": len(calls)}
+
+    @inner.post("/notes")
+    async def note(order_id: int) -> dict[str, int]:
+        calls.append("note")
+        return {"n": len(calls)}
+
+    @inner.put("/tag")
+    async def tag(order_id: int) -> dict[str, int]:
+        calls.append("tag")
+        return {"n": len(calls)}
+
+    outer = APIRouter(prefix="/v1")
+    outer.include_router(inner)
+    app = FastAPI()
+    app.include_router(outer)
+
+    @app.post("/exempt")
+    @idempotent(enabled=False)
+    async def exempt() -> dict[str, int]:
+        calls.append("exempt")
+        return {"n": len(calls)}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        policies={"PUT /v1/orders/{order_id}/tag": Policy(required=True)},
+    )
+    return app
+
+
+async def test_decorator_on_a_nested_included_router_is_found() -> None:
+    calls: list[str] = []
+    async with client(fastapi_app(calls)) as c:
+        missing = await c.post("/v1/orders/7/refunds")
+        first = await c.post("/v1/orders/7/refunds", headers={"Idempotency-Key": "k"})
+        again = await c.post("/v1/orders/7/refunds", headers={"Idempotency-Key": "k"})
+        other_order = await c.post("/v1/orders/8/refunds", headers={"Idempotency-Key": "k"})
+    assert missing.status_code == 400
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    # Same key, different concrete path: a different request.
+    assert other_order.status_code == 422
+    assert calls == ["refund 7"]
+
+
+async def test_policies_by_template_reach_nested_routes() -> None:
+    calls: list[str] = []
+    async with client(fastapi_app(calls)) as c:
+        assert (await c.put("/v1/orders/1/tag")).status_code == 400
+        await c.put("/v1/orders/1/tag", headers={"Idempotency-Key": "t"})
+        await c.put("/v1/orders/1/tag", headers={"Idempotency-Key": "t"})
+    assert calls == ["tag"]
+
+
+async def test_default_guards_post_with_a_key_and_exemptions_hold() -> None:
+    calls: list[str] = []
+    async with client(fastapi_app(calls)) as c:
+        for _ in range(2):
+            await c.post("/v1/orders/1/notes", headers={"Idempotency-Key": "n"})
+            await c.post("/exempt", headers={"Idempotency-Key": "e"})
+        await c.post("/v1/orders/1/notes")  # no key: optional by default, runs unguarded
+    assert calls == ["note", "exempt", "exempt", "note"]
+
+
+async def test_unmatched_routes_pass_through_to_the_router() -> None:
+    calls: list[str] = []
+    async with client(fastapi_app(calls)) as c:
+        r = await c.post("/nope", headers={"Idempotency-Key": "x"})
+        wrong_method = await c.delete("/v1/orders/1/refunds", headers={"Idempotency-Key": "x"})
+    assert r.status_code == 404
+    assert wrong_method.status_code == 405
+
+
+async def test_starlette_mounts_resolve_with_their_prefix() -> None:
+    calls: list[str] = []
+
+    @idempotent(required=True)
+    async def pay(request: Request) -> JSONResponse:
+        calls.append(request.path_params["acct"])
+        return JSONResponse({"n": len(calls)}, status_code=201)
+
+    api = Starlette(routes=[Route("/accounts/{acct}/pay", pay, methods=["POST"])])
+    app = Starlette(
+        routes=[Mount("/api", routes=[Mount("/v2", app=api)])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    async with client(app) as c:
+        assert (await c.post("/api/v2/accounts/a/pay")).status_code == 400
+        first = await c.post("/api/v2/accounts/a/pay", headers={"Idempotency-Key": "m"})
+        again = await c.post("/api/v2/accounts/a/pay", headers={"Idempotency-Key": "m"})
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert calls == ["a"]
+
+
+def test_policy_validates_its_numbers() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Policy(ttl=timedelta(0))
+    with pytest.raises(ValueError, match="lease"):
+        Policy(ttl=timedelta(seconds=1), lease=timedelta(seconds=2))
