@@ -6,6 +6,7 @@ Configured from the environment so that ``uvicorn asgi_idempotency.demo:app
 - ``IDEMPOTENCY_DEMO_DATABASE_URL``: store and refunds table (default ``sqlite+aiosqlite:///./idempotency-demo.db``)
 - ``IDEMPOTENCY_DEMO_GUARDED``: ``0`` serves without the middleware (default ``1``)
 - ``IDEMPOTENCY_DEMO_LEASE``: lease in seconds (default 30)
+- ``IDEMPOTENCY_DEMO_TRANSACTIONAL``: ``1`` writes refunds in the idempotency transaction (Postgres)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from starlette.routing import Route
 from .middleware import IdempotencyMiddleware
 from .policy import Policy
 from .stores.sql import SQLStore
+from .transactional import get_connection
 
 __all__ = ["count_refunds", "create_app", "refunds", "run_demo"]  # and `app`, built on access
 
@@ -44,22 +46,30 @@ refunds = Table(
 DEFAULT_URL = "sqlite+aiosqlite:///./idempotency-demo.db"
 
 
-def create_app(url: str, *, guarded: bool = True, lease: float = 30.0) -> Starlette:
-    """The refund app. ``POST /orders/{order_id}/refunds`` with ``{"amount": int, "delay": s}``."""
+def create_app(
+    url: str, *, guarded: bool = True, lease: float = 30.0, transactional: bool = False
+) -> Starlette:
+    """The refund app: ``POST /orders/{order_id}/refunds`` with a JSON body.
+
+    Body: ``amount`` (int), ``delay`` (seconds before the refund is written) and
+    ``after`` (seconds between writing it and answering: the window a crash can hit).
+    With ``transactional`` the refund is written in the idempotency transaction.
+    """
     store = SQLStore(url)
 
     async def refund(request: Request) -> JSONResponse:
         payload: dict[str, Any] = await request.json()
         await asyncio.sleep(float(payload.get("delay", 0)))
         refund_id = str(uuid.uuid4())
-        async with store.engine.begin() as conn:
-            await conn.execute(
-                insert(refunds).values(
-                    id=refund_id,
-                    order_id=request.path_params["order_id"],
-                    amount=int(payload["amount"]),
-                )
-            )
+        row = insert(refunds).values(
+            id=refund_id, order_id=request.path_params["order_id"], amount=int(payload["amount"])
+        )
+        if transactional:
+            await get_connection(request).execute(row)
+        else:
+            async with store.engine.begin() as conn:
+                await conn.execute(row)
+        await asyncio.sleep(float(payload.get("after", 0)))
         return JSONResponse({"refund_id": refund_id, "amount": payload["amount"]}, status_code=201)
 
     async def count(request: Request) -> JSONResponse:
@@ -72,7 +82,7 @@ def create_app(url: str, *, guarded: bool = True, lease: float = 30.0) -> Starle
 
     middleware = []
     if guarded:
-        policy = Policy(required=True, lease=timedelta(seconds=lease))
+        policy = Policy(required=True, lease=timedelta(seconds=lease), transactional=transactional)
         middleware.append(
             Middleware(
                 IdempotencyMiddleware,
@@ -111,6 +121,7 @@ def _from_env() -> Starlette:
         os.environ.get("IDEMPOTENCY_DEMO_DATABASE_URL", DEFAULT_URL),
         guarded=os.environ.get("IDEMPOTENCY_DEMO_GUARDED", "1") != "0",
         lease=float(os.environ.get("IDEMPOTENCY_DEMO_LEASE", "30")),
+        transactional=os.environ.get("IDEMPOTENCY_DEMO_TRANSACTIONAL", "0") == "1",
     )
 
 

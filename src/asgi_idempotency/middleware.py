@@ -25,7 +25,7 @@ from .keys import (
     scoped_key,
 )
 from .metrics import MetricsSink, Outcome
-from .policy import Policy, lookup, resolve_route
+from .policy import Policy, iter_endpoint_policies, lookup, resolve_route
 from .problems import (
     BodyTooLarge,
     IdempotencyError,
@@ -34,7 +34,7 @@ from .problems import (
     RequestInProgress,
     StoreUnavailable,
 )
-from .stores.base import Claim, ClaimOutcome, Store, StoredResponse, StoreError
+from .stores.base import Claim, ClaimOutcome, Store, StoredResponse, StoreError, decide
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -125,8 +125,12 @@ class IdempotencyMiddleware:
         self.retry_after = retry_after
         # Completions and releases outlive a cancelled request; keep them referenced.
         self._background: set[asyncio.Task[Any]] = set()
+        self.check_policies()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
             await self.app(scope, receive, send)
             return
@@ -140,6 +144,57 @@ class IdempotencyMiddleware:
             return
         route = resolved.template if resolved is not None else "<unmatched>"
         await _Guard(self, policy, route, scope, receive, send).run()
+
+    def transactional_engine(self) -> Any:
+        """The Postgres engine transactional routes run on.
+
+        Raises:
+            ValueError: the store is not a Postgres :class:`SQLStore`.
+        """
+        engine = getattr(self.store, "engine", None)
+        if engine is None or getattr(self.store, "dialect", None) != "postgresql":
+            where = getattr(self.store, "dialect", None)
+            raise ValueError(
+                "Policy(transactional=True) needs SQLStore on Postgres "
+                f"(postgresql+asyncpg://...); this middleware has {type(self.store).__name__}"
+                + (f" on {where}" if where else "")
+            )
+        return engine
+
+    def check_policies(self, app: Any = None) -> None:
+        """Refuse transactional policies on a store that cannot honour them.
+
+        Checks ``policies``, the default policy and, given the app, every
+        ``@idempotent`` endpoint its router reaches. Runs at construction and again
+        at lifespan startup, so a misconfiguration stops the app from starting.
+
+        Raises:
+            ValueError: a transactional policy on a store other than Postgres.
+        """
+        found = [p for p in (*self.policies.values(), self.default_policy) if p.transactional]
+        if app is not None:
+            found += [p for p in iter_endpoint_policies(app) if p.transactional]
+        if found:
+            self.transactional_engine()
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                self.check_policies(scope.get("app"))
+            except ValueError as exc:
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+        first = True
+
+        async def replay() -> Message:
+            nonlocal first
+            if first:
+                first = False
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     def _observe(self, route: str, outcome: Outcome) -> None:
         if self.metrics is not None:
@@ -174,7 +229,7 @@ class _Guard:
         logger.log(
             level,
             event,
-            extra={"route": self.route, "key_digest": self.key[:16], **fields},
+            extra={"event": event, "route": self.route, "key_digest": self.key[:16], **fields},
         )
 
     async def _reject(self, error: IdempotencyError, outcome: Outcome) -> None:
@@ -226,7 +281,10 @@ class _Guard:
         )
         principal = await resolve_principal(self.mw.principal, scope)
         self.key = scoped_key(principal, client_key)
-        await self._claim_and_run(body, request_hash)
+        if policy.transactional:
+            await self._execute_transactional(body, request_hash)
+        else:
+            await self._claim_and_run(body, request_hash)
 
     async def _read_body(self) -> bytes | None:
         limit = self.policy.max_body_bytes
@@ -269,31 +327,47 @@ class _Guard:
                 expires_at=now + policy.ttl,
             )
         except StoreError as exc:
-            self._log(
-                logging.ERROR, "idempotency.store_error", phase="claim", error=type(exc).__name__
-            )
-            mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
-            if mw.fail_open:
-                await mw.app(self.scope, _replay_body(body, self.receive), self.send)
-                return
-            await StoreUnavailable(
-                "The idempotency store is unavailable and the request was not processed; "
-                "retry with the same Idempotency-Key.",
-                retry_after=mw.retry_after,
-            ).send(self.send)
+            await self._store_unavailable(body, exc, "claim")
             return
         if claim.owned:
             if claim.outcome is ClaimOutcome.TAKEN_OVER:
-                self._log(logging.WARNING, "idempotency.takeover")
+                self._log(logging.WARNING, "idempotency.takeover", outcome=claim.outcome.value)
             await self._execute(body, token)
             return
         await self._answer_existing(claim, now)
+
+    async def _store_unavailable(self, body: bytes, exc: BaseException, phase: str) -> None:
+        mw = self.mw
+        self._log(
+            logging.ERROR,
+            "idempotency.store_error",
+            phase=phase,
+            error=type(exc).__name__,
+            outcome=Outcome.STORE_UNAVAILABLE.value,
+        )
+        mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
+        if mw.fail_open:
+            await mw.app(self.scope, _replay_body(body, self.receive), self.send)
+            return
+        await StoreUnavailable(
+            "The idempotency store is unavailable and the request was not processed; "
+            "retry with the same Idempotency-Key.",
+            retry_after=mw.retry_after,
+        ).send(self.send)
+
+    @staticmethod
+    def _in_progress(retry_after: float) -> RequestInProgress:
+        return RequestInProgress(
+            "A request with this Idempotency-Key is still being processed; "
+            "retry after the Retry-After interval to get its response.",
+            retry_after=retry_after,
+        )
 
     async def _answer_existing(self, claim: Claim, now: datetime) -> None:
         record = claim.record
         assert record is not None
         if claim.outcome is ClaimOutcome.MISMATCH:
-            self._log(logging.WARNING, "idempotency.mismatch")
+            self._log(logging.WARNING, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
             await self._reject(
                 KeyMismatch(
                     "This Idempotency-Key was already used with a different request "
@@ -304,24 +378,22 @@ class _Guard:
         elif claim.outcome is ClaimOutcome.COMPLETED:
             response = record.response
             assert response is not None
-            self._log(logging.INFO, "idempotency.replay", status=response.status)
+            self._log(
+                logging.INFO,
+                "idempotency.replay",
+                status=response.status,
+                outcome=Outcome.REPLAYED.value,
+            )
             self.mw._observe(self.route, Outcome.REPLAYED)
             await send_response(
                 self.send, response.status, [*response.headers, _REPLAYED], response.body
             )
         else:
             remaining = (record.locked_until - now).total_seconds()
-            await self._reject(
-                RequestInProgress(
-                    "A request with this Idempotency-Key is still being processed; "
-                    "retry after the Retry-After interval to get its response.",
-                    retry_after=remaining,
-                ),
-                Outcome.IN_PROGRESS,
-            )
+            await self._reject(self._in_progress(remaining), Outcome.IN_PROGRESS)
 
-    async def _execute(self, body: bytes, token: str) -> None:
-        mw, policy = self.mw, self.policy
+    async def _run_captured(self, body: bytes) -> tuple[Message, bytes]:
+        """Run the app on the buffered body; hold its response back instead of sending it."""
         start: Message | None = None
         chunks: list[bytes] = []
 
@@ -332,9 +404,20 @@ class _Guard:
             elif message["type"] == "http.response.body":
                 chunks.append(message.get("body", b""))
 
+        await self.mw.app(self.scope, _replay_body(body, self.receive), capture)
+        if start is None:
+            raise RuntimeError("the application returned without sending a response")
+        return start, b"".join(chunks)
+
+    async def _send_captured(self, start: Message, content: bytes) -> None:
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": content, "more_body": False})
+
+    async def _execute(self, body: bytes, token: str) -> None:
+        mw, policy = self.mw, self.policy
         renewal = _LeaseRenewal(mw, self.key, token, policy)
         try:
-            await mw.app(self.scope, _replay_body(body, self.receive), capture)
+            start, content = await self._run_captured(body)
         except asyncio.CancelledError:
             # Cancelled part-way: the effect may or may not have happened, so the
             # claim stays in progress until its lease ends rather than inviting a rerun.
@@ -347,18 +430,106 @@ class _Guard:
             raise
         renewal.stop()
 
-        if start is None:
-            await self._release(token)
-            raise RuntimeError("the application returned without sending a response")
         status: int = start["status"]
-        content = b"".join(chunks)
         if status >= 500 or status in RELEASED_STATUSES:
             await self._release(token)
         else:
             await self._complete(token, status, start.get("headers", []), content)
             mw._observe(self.route, Outcome.EXECUTED)
-        await self.send(start)
-        await self.send({"type": "http.response.body", "body": content, "more_body": False})
+        await self._send_captured(start, content)
+
+    async def _execute_transactional(self, body: bytes, request_hash: str) -> None:
+        """Claim, run and complete inside one Postgres transaction (see ``transactional``)."""
+        from sqlalchemy.ext.asyncio import AsyncSession
+
+        from .transactional import (
+            DATABASE_ERRORS,
+            IdempotencyTransaction,
+            claim_in_transaction,
+            complete_in_transaction,
+        )
+
+        mw, policy = self.mw, self.policy
+        now = mw.clock()
+        token = uuid.uuid4().hex
+        try:
+            conn = await mw.transactional_engine().connect()
+        except DATABASE_ERRORS as exc:
+            await self._store_unavailable(body, exc, "claim")
+            return
+        try:
+            try:
+                await conn.begin()
+                claim = await claim_in_transaction(
+                    conn,
+                    self.key,
+                    request_hash,
+                    token,
+                    now=now,
+                    locked_until=now + policy.lease,
+                    expires_at=now + policy.ttl,
+                )
+            except DATABASE_ERRORS as exc:
+                await self._store_unavailable(body, exc, "claim")
+                return
+            if not claim.locked:
+                await self._reject(self._in_progress(mw.retry_after), Outcome.IN_PROGRESS)
+                return
+            if claim.existing is not None:
+                existing = claim.existing
+                await self._answer_existing(
+                    Claim(decide(existing, request_hash, now), existing), now
+                )
+                return
+
+            session = AsyncSession(bind=conn)
+            self.scope.setdefault("state", {})["idempotency"] = IdempotencyTransaction(
+                conn, session
+            )
+            try:
+                start, content = await self._run_captured(body)
+            except asyncio.CancelledError:
+                raise  # closing the connection below rolls back the claim and the writes
+            except BaseException:
+                mw._observe(self.route, Outcome.RELEASED)
+                raise
+            status: int = start["status"]
+            if status >= 500 or status in RELEASED_STATUSES:
+                mw._observe(self.route, Outcome.RELEASED)
+                await self._send_captured(start, content)
+                return
+
+            async def commit() -> None:
+                await session.flush()
+                stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
+                await complete_in_transaction(
+                    conn, self.key, token, stored, expires_at=mw.clock() + policy.ttl
+                )
+                await conn.commit()
+
+            try:
+                await mw._shielded(commit())
+            except DATABASE_ERRORS as exc:
+                # Nothing is recorded and the writes rolled back, or the commit's answer
+                # was lost; either way the same key retried replays or runs exactly once.
+                self._log(
+                    logging.ERROR,
+                    "idempotency.store_error",
+                    phase="commit",
+                    error=type(exc).__name__,
+                )
+                mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
+                await StoreUnavailable(
+                    "The request's changes could not be committed; retry with the same "
+                    "Idempotency-Key.",
+                    retry_after=mw.retry_after,
+                ).send(self.send)
+                return
+            mw._observe(self.route, Outcome.EXECUTED)
+            await self._send_captured(start, content)
+        finally:
+            # Returns the connection to the pool; an open transaction is rolled back.
+            await mw._shielded(conn.close())
 
     async def _complete(self, token: str, status: int, headers: Headers, body: bytes) -> None:
         stored = StoredResponse(status, storable_headers(headers), body)

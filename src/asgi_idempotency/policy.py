@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from .asgi import Scope
 
-__all__ = ["Policy", "ResolvedRoute", "idempotent", "resolve_route"]
+__all__ = ["Policy", "ResolvedRoute", "idempotent", "iter_endpoint_policies", "resolve_route"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -149,6 +149,26 @@ def _walk(
             prefix + template, child.get("endpoint", getattr(route, "endpoint", None))
         )
     return None
+
+
+def iter_endpoint_policies(app: Any) -> list[Policy]:
+    """Every ``@idempotent`` policy on an endpoint the app's router can reach."""
+    from starlette.routing import Mount
+
+    found: list[Policy] = []
+
+    def walk(routes: Iterable[Any]) -> None:
+        for route in _expand(routes):
+            original = getattr(route, "original_route", route)
+            if isinstance(original, Mount):
+                walk(original.routes)
+                continue
+            policy = policy_of(getattr(route, "endpoint", None))
+            if policy is not None:
+                found.append(policy)
+
+    walk(getattr(getattr(app, "router", None), "routes", ()))
+    return found
 
 
 def lookup(
