@@ -264,13 +264,7 @@ async def _kill_after_write(pg_url: str, tmp_path: Path, *, transactional: bool)
                     await pending
         for _ in range(100):  # Postgres notices the dead backend's socket and rolls back
             async with store.engine.connect() as conn:
-                left = (
-                    await conn.execute(
-                        text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND datname = current_database()"
-                        )
-                    )
-                ).scalar_one()
+                left = (await conn.execute(text(IDLE_IN_TRANSACTION))).scalar_one()
             if not left:
                 break
             await asyncio.sleep(0.05)
