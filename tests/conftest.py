@@ -11,14 +11,9 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +26,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import MemoryStore, SQLStore
+from asgi_idempotency.serving import Server, free_port, run_uvicorn
 from asgi_idempotency.stores.base import Store
 
 NO_POSTGRES = (
@@ -159,71 +155,8 @@ async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
         await sql.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    """A real uvicorn process on a loopback port."""
-
-    process: subprocess.Popen[bytes]
-    base_url: str
-    log: Path
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the whole process group (the supervisor and every worker)."""
-        with suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
-        self.process.wait(timeout=20)
-
-
-@contextmanager
-def run_uvicorn(
-    app: str,
-    *,
-    env: dict[str, str],
-    log_dir: Path,
-    workers: int = 1,
-    extra_args: tuple[str, ...] = (),
-    ready_path: str = "/refunds/count",
-    timeout: float = 30.0,
-) -> Iterator[Server]:
-    """Start ``uvicorn app`` in its own process group; wait until it answers; kill it after."""
-    port = free_port()
-    log = log_dir / f"uvicorn-{port}.log"
-    cmd = [
-        sys.executable, "-m", "uvicorn", app,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--workers", str(workers), "--log-level", "warning", *extra_args,
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited early:\n{log.read_text()}")
-            try:
-                if httpx.get(server.base_url + ready_path, timeout=1).status_code < 500:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not become ready:\n{log.read_text()}")
-            time.sleep(0.1)
-        yield server
-    finally:
-        server.kill()
+# Real uvicorn processes: the same helper the demo uses (re-exported for the tests).
+__all__ = ["Server", "free_port", "run_uvicorn"]
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,9 +18,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore, idempotent
-from asgi_idempotency.demo import refunds
+from asgi_idempotency.demo import kill_after_write, refunds
 from asgi_idempotency.transactional import get_connection, get_session
-from tests.conftest import run_uvicorn
+from tests.conftest import run_uvicorn, truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -230,60 +229,18 @@ async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
     assert "needs SQLStore on Postgres" in sent[0]["message"]
 
 
-async def _kill_after_write(pg_url: str, tmp_path: Path, *, transactional: bool) -> tuple[int, int]:
-    """Kill a worker between its refund write and its answer; retry after the lease.
-
-    Returns (refund rows right after the kill, refund rows after the retry).
-    """
+async def _kill_after_write(pg_url: str, *, transactional: bool) -> tuple[int, int]:
     store = SQLStore(pg_url)
-    from tests.conftest import truncate
-
     await truncate(store)
-    env = {
-        "IDEMPOTENCY_DEMO_DATABASE_URL": pg_url,
-        "IDEMPOTENCY_DEMO_LEASE": "1",
-        "IDEMPOTENCY_DEMO_TRANSACTIONAL": "1" if transactional else "0",
-    }
-    body = {"amount": 4500, "after": 2}  # the window between the effect and the answer
-    key = {"Idempotency-Key": "kill-after-write"}
-    try:
-        with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=tmp_path) as server:
-            async with httpx.AsyncClient(base_url=server.base_url) as c:
-                pending = asyncio.create_task(
-                    c.post("/orders/1/refunds", json=body, headers=key, timeout=30)
-                )
-                for _ in range(300):  # until the write is visible (default) or running (tx)
-                    await asyncio.sleep(0.05)
-                    async with store.engine.connect() as conn:
-                        active = (await conn.execute(text(IDLE_IN_TRANSACTION))).scalar_one()
-                    if await refund_rows(store) or active:
-                        break
-                await asyncio.sleep(0.2)
-                server.kill(signal.SIGKILL)
-                with pytest.raises(httpx.TransportError):
-                    await pending
-        for _ in range(100):  # Postgres notices the dead backend's socket and rolls back
-            async with store.engine.connect() as conn:
-                left = (await conn.execute(text(IDLE_IN_TRANSACTION))).scalar_one()
-            if not left:
-                break
-            await asyncio.sleep(0.05)
-        after_kill = await refund_rows(store)
-        await asyncio.sleep(1.2)  # past the 1 s lease
-        with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=tmp_path) as server:
-            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
-                r = await c.post("/orders/1/refunds", json=body, headers=key)
-                assert r.status_code == 201, r.text
-        return after_kill, await refund_rows(store)
-    finally:
-        await store.close()
+    await store.close()
+    return await kill_after_write(pg_url, transactional=transactional, say=lambda _: None)
 
 
 @pytest.mark.slow
 async def test_sigkill_after_write_transactional_leaves_nothing_and_retry_runs_once(
     pg_url: str, tmp_path: Path
 ) -> None:
-    after_kill, final = await _kill_after_write(pg_url, tmp_path, transactional=True)
+    after_kill, final = await _kill_after_write(pg_url, transactional=True)
     assert after_kill == 0
     assert final == 1
 
@@ -292,7 +249,7 @@ async def test_sigkill_after_write_transactional_leaves_nothing_and_retry_runs_o
 async def test_sigkill_after_write_default_mode_duplicates_after_the_lease(
     pg_url: str, tmp_path: Path
 ) -> None:
-    after_kill, final = await _kill_after_write(pg_url, tmp_path, transactional=False)
+    after_kill, final = await _kill_after_write(pg_url, transactional=False)
     assert after_kill == 1  # the effect committed on its own
     assert final == 2  # the abandoned claim was taken over and the refund ran again
 

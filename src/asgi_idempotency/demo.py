@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select, text
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -187,6 +187,84 @@ async def play_incident(
         await task
     say(f"refunds issued: {count}")
     return int(count)
+
+
+_IDLE_IN_TRANSACTION = text(
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE state LIKE 'idle in transaction%' AND datname = current_database()"
+)
+
+
+async def kill_after_write(
+    url: str, *, transactional: bool, lease: float = 1.0, say: Any = print
+) -> tuple[int, int]:
+    """SIGKILL a worker between its refund write and its answer, then retry after the lease.
+
+    Needs Postgres. Returns (refunds right after the kill, refunds after the retry):
+    (1, 2) in the default mode — the abandoned claim is taken over and the refund
+    runs again — and (0, 1) in transactional mode, where the write died with the claim.
+    """
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from .serving import run_uvicorn
+
+    await prepare(url)
+    store = SQLStore(url)
+    mode = "transactional" if transactional else "default mode"
+    env = {
+        "IDEMPOTENCY_DEMO_DATABASE_URL": url,
+        "IDEMPOTENCY_DEMO_LEASE": str(lease),
+        "IDEMPOTENCY_DEMO_TRANSACTIONAL": "1" if transactional else "0",
+    }
+    body = {"amount": 4500, "after": 2}  # the refund is written 2 s before the answer
+    key = {"Idempotency-Key": f"kill-after-write-{uuid.uuid4().hex[:8]}"}
+
+    async def busy() -> bool:
+        async with store.engine.connect() as conn:
+            in_tx = (await conn.execute(_IDLE_IN_TRANSACTION)).scalar_one()
+        return bool(in_tx) or await count_refunds(store) > before
+
+    try:
+        before = await count_refunds(store)
+        with tempfile.TemporaryDirectory() as tmp:
+            with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=Path(tmp)) as server:
+                async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+                    say(f"[{mode}] POST a refund; the worker writes it, then is SIGKILLed")
+                    pending = asyncio.create_task(
+                        client.post("/orders/1/refunds", json=body, headers=key)
+                    )
+                    for _ in range(300):
+                        await asyncio.sleep(0.05)
+                        if await busy():
+                            break
+                    await asyncio.sleep(0.2)
+                    server.kill(signal.SIGKILL)
+                    try:
+                        await pending
+                    except httpx.TransportError:
+                        say(f"[{mode}] connection lost: the client cannot tell what happened")
+            for _ in range(100):  # Postgres notices the dead backend and rolls it back
+                if not await busy() or not transactional:
+                    break
+                await asyncio.sleep(0.05)
+            after_kill = await count_refunds(store) - before
+            say(f"[{mode}] refunds after the crash: {after_kill}")
+            await asyncio.sleep(lease + 0.2)
+            with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=Path(tmp)) as server:
+                async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+                    r = await client.post("/orders/1/refunds", json=body, headers=key)
+                    say(f"[{mode}] retry after the {lease:g}s lease: {r.status_code}")
+                    if r.status_code != 201:
+                        raise RuntimeError(f"retry answered {r.status_code}: {r.text}")
+        final = await count_refunds(store) - before
+        say(f"[{mode}] refunds in the end: {final}")
+        return after_kill, final
+    finally:
+        await store.close()
 
 
 async def run_demo() -> int:
