@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import bindparam, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from starlette.requests import Request
 
 from .stores.base import Record, RecordStatus, StoredResponse
 from .stores.schema import UTCDateTime, decode_headers, encode_headers
@@ -184,7 +184,7 @@ async def complete_in_transaction(
     )
 
 
-def get_transaction(request: Any) -> IdempotencyTransaction:
+def get_transaction(request: Request) -> IdempotencyTransaction:
     """The request's transaction (a FastAPI dependency: ``Depends(get_transaction)``).
 
     Raises:
@@ -199,11 +199,11 @@ def get_transaction(request: Any) -> IdempotencyTransaction:
     return tx
 
 
-def get_session(request: Any) -> AsyncSession:
+def get_session(request: Request) -> AsyncSession:
     """The request's ``AsyncSession`` in the idempotency transaction (FastAPI dependency)."""
     return get_transaction(request).session
 
 
-def get_connection(request: Any) -> AsyncConnection:
+def get_connection(request: Request) -> AsyncConnection:
     """The request's ``AsyncConnection`` in the idempotency transaction (FastAPI dependency)."""
     return get_transaction(request).connection
