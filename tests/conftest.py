@@ -45,6 +45,15 @@ def _pg_ctl() -> str | None:
 pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With IDEMPOTENCY_REQUIRE_POSTGRES set (CI), a run without Postgres tests is an error."""
+    if os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES") and session.items:
+        if not any(item.get_closest_marker("postgres") for item in session.items):
+            raise pytest.UsageError(
+                "IDEMPOTENCY_REQUIRE_POSTGRES is set but no Postgres test was selected"
+            )
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -96,11 +97,36 @@ async def test_default_guards_post_with_a_key_and_exemptions_hold() -> None:
 
 async def test_unmatched_routes_pass_through_to_the_router() -> None:
     calls: list[str] = []
-    async with client(fastapi_app(calls)) as c:
+    store = MemoryStore()
+    app = fastapi_app(calls)
+    app.user_middleware.clear()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    async with client(app) as c:
         r = await c.post("/nope", headers={"Idempotency-Key": "x"})
-        wrong_method = await c.delete("/v1/orders/1/refunds", headers={"Idempotency-Key": "x"})
+        wrong_method = await c.patch("/v1/orders/1/refunds", headers={"Idempotency-Key": "x"})
     assert r.status_code == 404
     assert wrong_method.status_code == 405
+    assert await store.prune(now=datetime.max.replace(tzinfo=UTC)) == 0  # nothing was stored
+
+
+async def test_a_bare_asgi_app_is_guarded_by_path() -> None:
+    calls: list[str] = []
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        calls.append(scope["path"])
+        await JSONResponse({"n": len(calls)})(scope, receive, send)
+
+    app = IdempotencyMiddleware(bare, store=MemoryStore(), policies={"/pay": Policy(required=True)})
+    async with client(app) as c:
+        assert (await c.post("/pay")).status_code == 400
+        await c.post("/pay", headers={"Idempotency-Key": "b"})
+        again = await c.post("/pay", headers={"Idempotency-Key": "b"})
+        reused = await c.post("/other", headers={"Idempotency-Key": "b"})
+        other = await c.post("/other", headers={"Idempotency-Key": "c"})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert reused.status_code == 422
+    assert other.status_code == 200
+    assert calls == ["/pay", "/other"]
 
 
 async def test_starlette_mounts_resolve_with_their_prefix() -> None:

@@ -25,7 +25,7 @@ from .keys import (
     scoped_key,
 )
 from .metrics import MetricsSink, Outcome
-from .policy import Policy, iter_endpoint_policies, lookup, resolve_route
+from .policy import Policy, has_router, iter_endpoint_policies, lookup, resolve_route
 from .problems import (
     BodyTooLarge,
     IdempotencyError,
@@ -136,13 +136,18 @@ class IdempotencyMiddleware:
             return
         method = scope["method"]
         resolved = resolve_route(scope)
+        if resolved is None and has_router(scope):
+            # The router will answer 404 or 405: no handler runs, nothing to guard.
+            await self.app(scope, receive, send)
+            return
         policy = lookup(self.policies, method, resolved, scope["path"])
         if policy is None and method in self.methods:
             policy = self.default_policy
         if policy is None or not policy.enabled:
             await self.app(scope, receive, send)
             return
-        route = resolved.template if resolved is not None else "<unmatched>"
+        # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
+        route = resolved.template if resolved is not None else "<unrouted>"
         await _Guard(self, policy, route, scope, receive, send).run()
 
     def transactional_engine(self) -> Any:

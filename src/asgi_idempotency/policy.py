@@ -9,7 +9,14 @@ from typing import Any, TypeVar
 
 from .asgi import Scope
 
-__all__ = ["Policy", "ResolvedRoute", "idempotent", "iter_endpoint_policies", "resolve_route"]
+__all__ = [
+    "Policy",
+    "ResolvedRoute",
+    "has_router",
+    "idempotent",
+    "iter_endpoint_policies",
+    "resolve_route",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,6 +116,11 @@ def _expand(routes: Iterable[Any]) -> Iterable[Any]:
     except ImportError:  # Starlette only
         return routes
     return iter_route_contexts(list(routes))
+
+
+def has_router(scope: Scope) -> bool:
+    """Whether the app in ``scope`` routes requests itself (Starlette, FastAPI)."""
+    return getattr(scope.get("app"), "router", None) is not None
 
 
 def resolve_route(scope: Scope) -> ResolvedRoute | None:
