@@ -47,11 +47,15 @@ pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With IDEMPOTENCY_REQUIRE_POSTGRES set (CI), a run without Postgres tests is an error."""
-    if os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES") and session.items:
-        if not any(item.get_closest_marker("postgres") for item in session.items):
-            raise pytest.UsageError(
-                "IDEMPOTENCY_REQUIRE_POSTGRES is set but no Postgres test was selected"
-            )
+    required = os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES")
+    if (
+        required
+        and session.items
+        and not any(i.get_closest_marker("postgres") for i in session.items)
+    ):
+        raise pytest.UsageError(
+            "IDEMPOTENCY_REQUIRE_POSTGRES is set but no Postgres test was selected"
+        )
 
 
 @pytest.fixture
