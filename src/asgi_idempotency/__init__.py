@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
-    from .metrics import InMemoryMetrics, MetricsSnapshot, Outcome
+    from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
     from .middleware import IdempotencyMiddleware
     from .policy import Policy, idempotent
     from .problems import (
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
         RequestInProgress,
         StoreUnavailable,
     )
+    from .prometheus import PrometheusMetrics
+    from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         Claim,
         ClaimOutcome,
@@ -41,6 +43,7 @@ __all__ = [
     "CanonicalJSONError",
     "Claim",
     "ClaimOutcome",
+    "FanOutMetrics",
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
@@ -51,6 +54,9 @@ __all__ = [
     "MissingKey",
     "Outcome",
     "Policy",
+    "PrometheusMetrics",
+    "Pruner",
+    "PruningMiddleware",
     "Record",
     "RecordStatus",
     "RequestInProgress",
@@ -62,17 +68,23 @@ __all__ = [
     "__version__",
     "canonical_json",
     "idempotent",
+    "prune_all",
 ]
 
 _WHERE = {
     "CanonicalJSONError": ".canonical",
     "canonical_json": ".canonical",
+    "FanOutMetrics": ".metrics",
     "InMemoryMetrics": ".metrics",
     "MetricsSnapshot": ".metrics",
     "Outcome": ".metrics",
     "IdempotencyMiddleware": ".middleware",
     "Policy": ".policy",
     "idempotent": ".policy",
+    "PrometheusMetrics": ".prometheus",
+    "Pruner": ".retention",
+    "PruningMiddleware": ".retention",
+    "prune_all": ".retention",
     "BodyTooLarge": ".problems",
     "IdempotencyError": ".problems",
     "InvalidKey": ".problems",

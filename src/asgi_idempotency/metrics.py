@@ -1,4 +1,15 @@
-"""Outcomes of guarded requests and an in-process counter of them."""
+"""Outcomes of guarded requests and an in-process counter of them.
+
+Two numbers tell whether the guard works and is needed (see docs/operations.md):
+
+- the replay rate: replayed / guarded requests. Small and non-zero in a healthy
+  service; a spike means clients retry faster than the service answers.
+- the conflict rate: 422 mismatches / guarded requests. Should be zero; anything
+  else is a client bug (one key reused for different requests) to chase.
+
+"Guarded" means every outcome but :attr:`Outcome.UNGUARDED`. For Prometheus, see
+:class:`asgi_idempotency.prometheus.PrometheusMetrics`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["InMemoryMetrics", "MetricsSink", "MetricsSnapshot", "Outcome"]
+__all__ = ["FanOutMetrics", "InMemoryMetrics", "MetricsSink", "MetricsSnapshot", "Outcome"]
 
 
 class Outcome(enum.StrEnum):
@@ -34,6 +45,8 @@ class MetricsSink(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
+    """Counts by ``(route template, outcome)`` at one moment; rates are computed from them."""
+
     counts: dict[tuple[str, Outcome], int]
 
     def total(self, outcome: Outcome | None = None, route: str | None = None) -> int:
@@ -71,3 +84,14 @@ class InMemoryMetrics:
     def snapshot(self) -> MetricsSnapshot:
         with self._lock:
             return MetricsSnapshot(dict(self._counts))
+
+
+class FanOutMetrics:
+    """Passes each observation to several sinks, e.g. Prometheus and an in-process snapshot."""
+
+    def __init__(self, *sinks: MetricsSink) -> None:
+        self.sinks = sinks
+
+    def observe(self, route: str, outcome: Outcome) -> None:
+        for sink in self.sinks:
+            sink.observe(route, outcome)

@@ -97,6 +97,9 @@ class IdempotencyMiddleware:
         metrics: receives one ``observe(route, outcome)`` per guarded request.
         clock: returns the current aware UTC time (tests drive leases with it).
         retry_after: seconds sent in ``Retry-After`` with a 503 (default 1).
+        prune_interval: when set, delete expired records every this many seconds
+            in the background while the app's lifespan runs (default: off; prune
+            from cron with ``asgi-idempotency prune`` instead).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class IdempotencyMiddleware:
         metrics: MetricsSink | None = None,
         clock: Callable[[], datetime] = _utcnow,
         retry_after: float = 1.0,
+        prune_interval: float | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -123,6 +127,7 @@ class IdempotencyMiddleware:
         self.metrics = metrics
         self.clock = clock
         self.retry_after = retry_after
+        self.prune_interval = prune_interval
         # Completions and releases outlive a cancelled request; keep them referenced.
         self._background: set[asyncio.Task[Any]] = set()
         self.check_policies()
@@ -199,7 +204,13 @@ class IdempotencyMiddleware:
                 return message
             return await receive()
 
-        await self.app(scope, replay, send)
+        if self.prune_interval is None:
+            await self.app(scope, replay, send)
+            return
+        from .retention import PruningMiddleware
+
+        pruning = PruningMiddleware(self.app, store=self.store, interval=self.prune_interval)
+        await pruning(scope, replay, send)
 
     def _observe(self, route: str, outcome: Outcome) -> None:
         if self.metrics is not None:
@@ -522,6 +533,7 @@ class _Guard:
                     "idempotency.store_error",
                     phase="commit",
                     error=type(exc).__name__,
+                    outcome=Outcome.STORE_UNAVAILABLE.value,
                 )
                 mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
                 await StoreUnavailable(

@@ -1,0 +1,460 @@
+"""``asgi-idempotency``: operate the records table from a shell or a cron job.
+
+Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
+(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``; ``postgres://``,
+``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg,
+aiosqlite) added.
+
+Exit codes, for scripts (:class:`Exit`):
+
+====  =========================================================================
+0     success
+1     ``inspect``: no record for that key (never ran, released, or pruned);
+      ``demo``: the guarded run did not make exactly one refund
+2     usage error: bad arguments, missing or malformed database URL
+3     database unreachable or failing (refused, timed out, bad credentials,
+      no such database)
+4     the records table is missing: run ``asgi-idempotency migrate``
+70    unexpected internal error (a bug: the traceback is printed)
+130   interrupted (Ctrl-C)
+====  =========================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+__all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
+
+ENV_URL = "IDEMPOTENCY_DATABASE_URL"
+
+
+class Exit(enum.IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    NO_SCHEMA = 4
+    INTERNAL = 70
+    INTERRUPTED = 130
+
+
+class CLIError(Exception):
+    """Ends the command with a message on stderr and an exit code."""
+
+    def __init__(self, code: Exit, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_DRIVERS = {
+    "postgres": "postgresql+asyncpg",
+    "postgresql": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+}
+_SUPPORTED = frozenset({"postgresql+asyncpg", "sqlite+aiosqlite"})
+
+
+def normalize_url(url: str) -> str:
+    """The async-driver form of ``url``.
+
+    Raises:
+        CLIError: unparseable, or neither PostgreSQL nor SQLite (exit code 2).
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise CLIError(Exit.USAGE, f"malformed database URL: {exc}") from None
+    driver = _DRIVERS.get(parsed.drivername, parsed.drivername)
+    if driver not in _SUPPORTED:
+        raise CLIError(
+            Exit.USAGE,
+            f"unsupported database URL scheme {parsed.drivername!r}: "
+            "use postgresql+asyncpg://user@host/db or sqlite+aiosqlite:///path.db",
+        )
+    return parsed.set(drivername=driver).render_as_string(hide_password=False)
+
+
+def _safe(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _is_missing_table(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # bounded: each link once
+        seen.add(id(current))
+        text = str(current).lower()
+        if "no such table" in text or ("idempotency_records" in text and "does not exist" in text):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _database_error(exc: BaseException, url: str) -> CLIError:
+    """Translate a store or driver failure into exit code 3 or 4."""
+    if _is_missing_table(exc):
+        return CLIError(
+            Exit.NO_SCHEMA,
+            f"the idempotency_records table does not exist in {_safe(url)}: "
+            "run `asgi-idempotency migrate` first",
+        )
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return CLIError(
+        Exit.UNREACHABLE,
+        f"cannot use the database at {_safe(url)}: {type(cause).__name__}: {detail}",
+    )
+
+
+def _fmt_time(value: datetime | None, now: datetime) -> str:
+    if value is None:
+        return "-"
+    delta = (value - now).total_seconds()
+    when = "from now" if delta > 0 else "ago"
+    return f"{value.isoformat(timespec='seconds')} ({_fmt_span(abs(delta))} {when})"
+
+
+def _fmt_span(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+# --- commands -----------------------------------------------------------------
+
+
+async def _with_store(
+    url: str, command_timeout: float, body: Callable[[Any], Awaitable[Exit]]
+) -> Exit:
+    from .stores.base import StoreError
+    from .stores.sql import SQLStore
+
+    store = SQLStore(url, command_timeout=command_timeout, pool_size=1)
+    try:
+        return await body(store)
+    except StoreError as exc:
+        raise _database_error(exc, url) from exc
+    finally:
+        await store.close()
+
+
+def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
+    url = _require_url(args)
+    try:
+        from .migrations import upgrade
+    except ImportError as exc:
+        raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        upgrade(url)
+    except (SQLAlchemyError, OSError, TimeoutError) as exc:
+        raise _database_error(exc, url) from exc
+    print(f"migrated {_safe(url)} to the latest revision", file=out)
+    return Exit.OK
+
+
+def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .retention import count_expired, prune_all
+
+    url = _require_url(args)
+    err: TextIO = sys.stderr
+    show_progress = not args.json and not args.quiet and err.isatty()
+
+    async def body(store: Any) -> Exit:
+        now = datetime.now(UTC)
+        started = time.perf_counter()
+        expected = await count_expired(store, now=now) if (args.dry_run or show_progress) else 0
+        if args.dry_run:
+            pruned = expected
+        else:
+
+            def progress(done: int, _batch: int) -> None:
+                share = f" ({100 * done / expected:.0f}%)" if expected else ""
+                err.write(f"\rpruned {done:,} of {expected:,} expired records{share}")
+                err.flush()
+
+            pruned = await prune_all(
+                store,
+                batch_size=args.batch_size,
+                now=now,
+                pause=args.pause,
+                max_batches=args.max_batches,
+                progress=progress if show_progress else None,
+            )
+            if show_progress:
+                err.write("\n")
+        elapsed = time.perf_counter() - started
+        if args.json:
+            payload = {"pruned": pruned, "dry_run": args.dry_run, "elapsed_s": round(elapsed, 3)}
+            print(json.dumps(payload), file=out)
+        elif args.dry_run:
+            print(
+                f"{pruned:,} expired records would be pruned (dry run: nothing deleted)", file=out
+            )
+        elif not args.quiet:
+            print(f"pruned {pruned:,} expired records in {elapsed:.1f}s", file=out)
+        return Exit.OK
+
+    return asyncio.run(_with_store(url, args.timeout, body))
+
+
+def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .keys import parse_key, scoped_key
+    from .problems import InvalidKey
+    from .stores.base import RecordStatus
+
+    url = _require_url(args)
+    try:
+        key = parse_key(args.key.encode("utf-8", "surrogateescape"))
+    except InvalidKey as exc:
+        raise CLIError(Exit.USAGE, f"not a valid Idempotency-Key: {exc.detail}") from None
+    digest = scoped_key(args.principal, key)
+
+    async def body(store: Any) -> Exit:
+        record = await store.get(digest)
+        now = datetime.now(UTC)
+        if record is None:
+            if args.json:
+                print(json.dumps({"key_digest": digest, "found": False}), file=out)
+            else:
+                print(
+                    f"no record for this key (digest {digest}): it never ran here, "
+                    "was released after a failure, or was pruned",
+                    file=out,
+                )
+            return Exit.NOT_FOUND
+        expired = record.expires_at <= now
+        abandoned = (
+            not expired and record.status is RecordStatus.IN_PROGRESS and record.locked_until <= now
+        )
+        response = record.response
+        if args.json:
+            payload = {
+                "key_digest": digest,
+                "found": True,
+                "status": str(record.status),
+                "created_at": _iso(record.created_at),
+                "locked_until": _iso(record.locked_until),
+                "expires_at": _iso(record.expires_at),
+                "expired": expired,
+                "abandoned": abandoned,
+                "request_hash": record.request_hash,
+                "response_status": None if response is None else response.status,
+                "response_bytes": None if response is None else len(response.body),
+            }
+            print(json.dumps(payload), file=out)
+            return Exit.OK
+        state = str(record.status)
+        if expired:
+            state += " (expired: a new request with this key runs again; awaiting prune)"
+        elif abandoned:
+            state += " (lease ended: the worker died or hangs; the next retry takes over)"
+        elif record.status is RecordStatus.IN_PROGRESS:
+            state += " (running: its lease is live)"
+        lines = [
+            ("key digest", digest),
+            ("status", state),
+            ("created", _fmt_time(record.created_at, now)),
+            ("lease until", _fmt_time(record.locked_until, now)),
+            ("expires", _fmt_time(record.expires_at, now)),
+            ("fingerprint", record.request_hash),
+            (
+                "response",
+                "-"
+                if response is None
+                else f"{response.status} ({len(response.body):,} bytes stored)",
+            ),
+        ]
+        for label, value in lines:
+            print(f"{label:<12} {value}", file=out)
+        return Exit.OK
+
+    return asyncio.run(_with_store(url, args.timeout, body))
+
+
+def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .retention import table_stats
+
+    url = _require_url(args)
+
+    async def body(store: Any) -> Exit:
+        stats = await table_stats(store)
+        if args.json:
+            payload = {
+                "now": _iso(stats.now),
+                "total": stats.total,
+                "live": dict(stats.live),
+                "expired": stats.expired,
+                "abandoned": stats.abandoned,
+                "oldest_in_progress": _iso(stats.oldest_in_progress),
+            }
+            print(json.dumps(payload), file=out)
+            return Exit.OK
+        print(f"{'records':<30} {stats.total:>12,}", file=out)
+        for status in ("completed", "in_progress"):
+            print(f"  {'live ' + status:<28} {stats.live.get(status, 0):>12,}", file=out)
+        print(f"  {'in_progress, lease ended':<28} {stats.abandoned:>12,}", file=out)
+        print(f"  {'expired, awaiting prune':<28} {stats.expired:>12,}", file=out)
+        oldest = _fmt_time(stats.oldest_in_progress, stats.now)
+        print(f"{'oldest live in_progress':<30} {oldest}", file=out)
+        return Exit.OK
+
+    return asyncio.run(_with_store(url, args.timeout, body))
+
+
+def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
+    # The demo brings its own throwaway SQLite databases; it needs no URL.
+    from .demo import run_demo
+
+    code = asyncio.run(run_demo())
+    return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
+
+
+def _require_url(args: argparse.Namespace) -> str:
+    url: str | None = args.database_url or os.environ.get(ENV_URL)
+    if not url:
+        raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
+    return normalize_url(url)
+
+
+# --- parser -------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asgi-idempotency",
+        description="Operate the idempotency records table.",
+        epilog=(
+            "exit codes: 0 ok, 1 not found (inspect), 2 usage or bad URL, "
+            "3 database unreachable, 4 table missing (run migrate), 70 internal error"
+        ),
+    )
+    # Accepted before or after the command; the one after wins.
+    common = argparse.ArgumentParser(add_help=False)
+    for p, default in ((parser, None), (common, argparse.SUPPRESS)):
+        p.add_argument(
+            "--database-url",
+            default=default,
+            help=f"postgresql+asyncpg://… or sqlite+aiosqlite:///… (default: ${ENV_URL})",
+        )
+        p.add_argument(
+            "--timeout",
+            type=_positive_float,
+            default=10.0 if default is None else default,
+            help="seconds to wait for the database per statement (default 10)",
+        )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "migrate", parents=[common], help="upgrade the schema to the latest revision"
+    )
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("prune", parents=[common], help="delete expired records in batches")
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=1000, help="rows per statement (default 1000)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds between batches (default 0)")
+    p.add_argument(
+        "--max-batches", type=_positive_int, default=1_000_000, help="stop after this many batches"
+    )
+    p.add_argument("--quiet", action="store_true", help="print nothing on success")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="show the record for a key: did it run, when, with what result",
+        description="Exit code 0 when a record exists (expired or not), 1 when none does.",
+    )
+    p.add_argument("key", metavar="KEY", help="the Idempotency-Key as the client sent it")
+    p.add_argument(
+        "--principal", default="", help="who owns the key (default: anonymous, as the middleware)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "stats", parents=[common], help="row counts by status, expired, oldest in progress"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser(
+        "demo",
+        help="replay the refund incident with and without the guard (throwaway SQLite files)",
+        description="Exit code 0 when the guarded run made 1 refund and the unguarded 2, else 1.",
+    )
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else Exit.USAGE
+    out = sys.stdout
+    try:
+        code: Exit = args.func(args, out)
+    except CLIError as exc:
+        print(f"asgi-idempotency {args.command}: {exc}", file=sys.stderr)
+        return int(exc.code)
+    except KeyboardInterrupt:
+        print(f"asgi-idempotency {args.command}: interrupted", file=sys.stderr)
+        return int(Exit.INTERRUPTED)
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"asgi-idempotency {args.command}: internal error (a bug; please report it)",
+            file=sys.stderr,
+        )
+        return int(Exit.INTERNAL)
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Prometheus counters of guarded-request outcomes (``asgi-idempotency[prometheus]``).
+
+One counter, ``idempotency_requests_total{route, outcome}``: ``route`` is the route
+template (``/orders/{order_id}/refunds``, or ``<unmatched>``), never a path or a key,
+so its cardinality is the number of guarded routes times the ten outcomes. Rates are
+left to PromQL, as Prometheus recommends (docs/operations.md has the recipes)::
+
+    from asgi_idempotency.prometheus import PrometheusMetrics
+
+    metrics = PrometheusMetrics()  # the process-wide default registry
+    app.add_middleware(IdempotencyMiddleware, store=store, metrics=metrics)
+    app.mount("/metrics", metrics.asgi_app())
+
+This is the only module that imports ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .asgi import ASGIApp
+from .metrics import Outcome
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, make_asgi_app
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "asgi_idempotency.prometheus needs prometheus-client: "
+        "pip install 'asgi-idempotency[prometheus]'"
+    ) from exc
+
+__all__ = ["PrometheusMetrics"]
+
+
+class PrometheusMetrics:
+    """A :class:`~asgi_idempotency.metrics.MetricsSink` that counts into a Prometheus registry.
+
+    Args:
+        registry: where the counter is registered (default: ``prometheus_client.REGISTRY``,
+            the one the usual ``/metrics`` endpoints expose). A name can be registered
+            once per registry, so create one instance per registry and share it between
+            apps in the process.
+        prefix: metric name prefix (default ``"idempotency"`` →
+            ``idempotency_requests_total``).
+        routes: route templates to create every ``(route, outcome)`` series for up
+            front, at zero, so that ``rate()`` and alerts see a series before its first
+            event. Optional; unlisted routes appear on first use.
+
+    Raises:
+        ValueError: the metric name is already registered in ``registry``.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        prefix: str = "idempotency",
+        routes: Iterable[str] = (),
+    ) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        # prometheus_client appends the _total suffix to counters.
+        self.requests = Counter(
+            f"{prefix}_requests",
+            "Requests on idempotency-guarded routes, by route template and outcome.",
+            ("route", "outcome"),
+            registry=self.registry,
+        )
+        for route in routes:
+            for outcome in Outcome:
+                self.requests.labels(route=route, outcome=outcome.value)
+
+    def observe(self, route: str, outcome: Outcome) -> None:
+        self.requests.labels(route=route, outcome=outcome.value).inc()
+
+    def asgi_app(self) -> ASGIApp:
+        """An ASGI app serving this registry's exposition text; mount it at ``/metrics``."""
+        app: ASGIApp = make_asgi_app(self.registry)
+        return app

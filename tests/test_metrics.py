@@ -1,0 +1,239 @@
+"""Metrics and structured logs: a scripted mix of requests, read from Prometheus and a snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asgi_idempotency import InMemoryMetrics, Outcome, Policy, SQLStore
+from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
+from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.stores.base import Store
+
+pytestmark = pytest.mark.anyio
+
+UNREACHABLE = "postgresql+asyncpg://postgres@127.0.0.1:9/x"
+RAW_KEY = "raw-key-SECRET-4242"
+BODY_MARK = "BODY-SECRET-1717"
+
+
+async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
+    """Wait for ``condition``, polling; fail after ``within`` seconds."""
+    for _ in range(int(within / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail("condition not reached in time")
+
+
+def samples(text: str, name: str = "idempotency_requests_total") -> dict[tuple[str, str], float]:
+    """``(route, outcome) -> value`` for one counter in an exposition text."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[(sample.labels["route"], sample.labels["outcome"])] = sample.value
+    return out
+
+
+POLICIES = {"POST /pay": Policy(required=True, max_body_bytes=1000)}
+
+# What the script below produces: (route, outcome) -> count.
+EXPECTED = {
+    ("/pay", Outcome.EXECUTED): 2,
+    ("/pay", Outcome.REPLAYED): 2,
+    ("/pay", Outcome.MISMATCH): 1,
+    ("/pay", Outcome.IN_PROGRESS): 1,
+    ("/pay", Outcome.MISSING_KEY): 1,
+    ("/pay", Outcome.INVALID_KEY): 1,
+    ("/pay", Outcome.TOO_LARGE): 1,
+    ("/pay", Outcome.STORE_UNAVAILABLE): 1,
+    ("/fail/{status}", Outcome.RELEASED): 2,
+    ("/fail/{status}", Outcome.UNGUARDED): 1,
+}
+GUARDED = sum(n for (_, o), n in EXPECTED.items() if o is not Outcome.UNGUARDED)
+
+
+async def run_script(store: Store, tiny: Any, sink: FanOutMetrics) -> None:
+    """Every outcome once or twice, through real ASGI requests."""
+    app = tiny(store, policies=POLICIES, metrics=sink)
+    async with app.client() as client:
+
+        async def pay(key: str | None, body: Any, **kw: Any) -> httpx.Response:
+            headers = {} if key is None else {"Idempotency-Key": key}
+            response: httpx.Response = await client.post("/pay", json=body, headers=headers, **kw)
+            return response
+
+        assert (await pay("k-exec", {"n": 1})).status_code == 201
+        for _ in range(2):
+            replay = await pay("k-exec", {"n": 1})
+            assert replay.status_code == 201
+            assert replay.headers["idempotent-replayed"] == "true"
+        assert (await pay("k-exec", {"n": 2})).status_code == 422
+
+        first = asyncio.ensure_future(pay("k-wait", {"wait": True}))
+        await until(lambda: app.calls.get("pay", 0) == 2)
+        assert (await pay("k-wait", {"wait": True})).status_code == 409
+        app.gate.set()
+        assert (await first).status_code == 201
+
+        assert (await pay(None, {"n": 1})).status_code == 400
+        assert (await pay("has space", {"n": 1})).status_code == 400
+        assert (await pay("k-big", {"pad": "x" * 2000})).status_code == 413
+        for _ in range(2):  # released, so the retry runs again
+            failed = await client.post("/fail/500", headers={"Idempotency-Key": "k-fail"})
+            assert failed.status_code == 500
+        assert app.calls["fail"] == 2
+        assert (await client.post("/fail/200")).status_code == 200  # optional key, none sent
+
+    down = SQLStore(UNREACHABLE, command_timeout=2)
+    try:
+        async with tiny(down, policies=POLICIES, metrics=sink).client() as client:
+            response = await client.post(
+                "/pay", json={"n": 1}, headers={"Idempotency-Key": "k-503"}
+            )
+            assert response.status_code == 503
+            assert "retry-after" in response.headers
+    finally:
+        await down.close()
+
+
+async def test_every_outcome_is_counted_in_prometheus_and_the_snapshot(
+    store: Store, tiny: Any
+) -> None:
+    registry = CollectorRegistry()
+    prom = PrometheusMetrics(registry)
+    memory = InMemoryMetrics()
+    await run_script(store, tiny, FanOutMetrics(prom, memory))
+
+    expected = {(route, outcome.value): float(n) for (route, outcome), n in EXPECTED.items()}
+    exposed = {k: v for k, v in samples(generate_latest(registry).decode()).items() if v}
+    assert exposed == expected
+
+    # The same text through the ASGI app an operator mounts at /metrics.
+    transport = httpx.ASGITransport(app=prom.asgi_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        scraped = await client.get("/metrics")
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"].startswith("text/plain")
+    assert {k: v for k, v in samples(scraped.text).items() if v} == expected
+    assert "# TYPE idempotency_requests_total counter" in scraped.text
+    assert RAW_KEY not in scraped.text
+    assert "k-exec" not in scraped.text
+
+    snapshot = memory.snapshot()
+    assert {k: v for k, v in snapshot.counts.items()} == EXPECTED
+    assert snapshot.total(Outcome.REPLAYED) == 2
+    assert snapshot.replay_rate() == pytest.approx(2 / GUARDED)
+    assert snapshot.conflict_rate() == pytest.approx(1 / GUARDED)
+    assert snapshot.replay_rate("/pay") == pytest.approx(2 / 10)
+    assert snapshot.conflict_rate("/fail/{status}") == 0.0
+
+
+def test_rates_are_zero_without_guarded_requests() -> None:
+    snapshot = MetricsSnapshot({("/x", Outcome.UNGUARDED): 3})
+    assert snapshot.replay_rate() == 0.0
+    assert snapshot.conflict_rate() == 0.0
+
+
+def test_listed_routes_are_exposed_at_zero_before_any_request() -> None:
+    registry = CollectorRegistry()
+    PrometheusMetrics(registry, prefix="payments_idem", routes=["/pay"])
+    exposed = samples(generate_latest(registry).decode(), "payments_idem_requests_total")
+    assert exposed == {("/pay", o.value): 0.0 for o in Outcome}
+
+
+def test_one_registry_holds_the_counter_once() -> None:
+    registry = CollectorRegistry()
+    PrometheusMetrics(registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        PrometheusMetrics(registry)
+
+
+# --- structured logs ----------------------------------------------------------------
+
+
+def events(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "asgi_idempotency" and r.getMessage() == event]
+
+
+def assert_structured(record: logging.LogRecord, *, route: str, outcome: str) -> None:
+    fields = record.__dict__
+    assert fields["event"] == record.getMessage()
+    assert fields["route"] == route
+    assert fields["outcome"] == outcome
+    digest = fields["key_digest"]
+    assert isinstance(digest, str)
+    assert len(digest) == 16
+    int(digest, 16)  # hex
+    flat = repr(fields)
+    assert RAW_KEY not in flat
+    assert BODY_MARK not in flat
+
+
+async def test_log_events_carry_route_outcome_and_key_digest_only(
+    store: Store, tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_idempotency")
+    clock = [datetime(2030, 1, 1, tzinfo=UTC)]
+    policy = Policy(required=True, lease=timedelta(seconds=30))
+    app = tiny(store, policies={"POST /pay": policy}, clock=lambda: clock[0])
+    body = {"secret": BODY_MARK}
+    async with app.client() as client:
+
+        async def pay(data: Any) -> httpx.Response:
+            headers = {"Idempotency-Key": RAW_KEY}
+            response: httpx.Response = await client.post("/pay", json=data, headers=headers)
+            return response
+
+        assert (await pay(body)).status_code == 201
+        assert (await pay(body)).status_code == 201  # replay
+        assert (await pay({**body, "n": 2})).status_code == 422  # conflict
+
+        # An abandoned claim: its lease ends (by the clock) while the handler hangs.
+        waiting = {"wait": True, "secret": BODY_MARK}
+        hung = asyncio.ensure_future(
+            client.post("/pay", json=waiting, headers={"Idempotency-Key": "k2"})
+        )
+        await until(lambda: app.calls.get("pay", 0) == 2)
+        clock[0] += timedelta(seconds=60)
+        retry = asyncio.ensure_future(
+            client.post("/pay", json=waiting, headers={"Idempotency-Key": "k2"})
+        )
+        await until(lambda: app.calls.get("pay", 0) == 3)
+        app.gate.set()
+        assert (await retry).status_code == 201
+        assert (await hung).status_code == 201
+
+    down = SQLStore(UNREACHABLE, command_timeout=2)
+    try:
+        async with tiny(down, policies={"POST /pay": policy}).client() as client:
+            failed = await client.post("/pay", json=body, headers={"Idempotency-Key": RAW_KEY})
+            assert failed.status_code == 503
+    finally:
+        await down.close()
+
+    (replay,) = events(caplog, "idempotency.replay")
+    assert_structured(replay, route="/pay", outcome="replayed")
+    assert replay.__dict__["status"] == 201
+    (mismatch,) = events(caplog, "idempotency.mismatch")
+    assert_structured(mismatch, route="/pay", outcome="mismatch")
+    (takeover,) = events(caplog, "idempotency.takeover")
+    assert_structured(takeover, route="/pay", outcome="taken_over")
+    errors = events(caplog, "idempotency.store_error")
+    assert [e.__dict__["phase"] for e in errors] == ["claim"]
+    assert_structured(errors[0], route="/pay", outcome="store_unavailable")
+    # The same key gives the same digest, so log lines join up (and match `inspect`).
+    assert replay.__dict__["key_digest"] == mismatch.__dict__["key_digest"]
+    assert replay.__dict__["key_digest"] == errors[0].__dict__["key_digest"]
+    for record in caplog.records:
+        assert RAW_KEY not in repr(record.__dict__)
+        assert BODY_MARK not in repr(record.__dict__)
