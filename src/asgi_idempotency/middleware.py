@@ -96,7 +96,8 @@ class IdempotencyMiddleware:
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
         clock: returns the current aware UTC time (tests drive leases with it).
-        retry_after: seconds sent in ``Retry-After`` with a 503 (default 1).
+        retry_after: seconds sent in ``Retry-After`` with a 503, and with a 409 unless
+            the running claim's lease ends sooner (default 1).
         prune_interval: when set, delete expired records every this many seconds
             in the background while the app's lifespan runs (default: off; prune
             from cron with ``asgi-idempotency prune`` instead).
@@ -405,8 +406,11 @@ class _Guard:
                 self.send, response.status, [*response.headers, _REPLAYED], response.body
             )
         else:
+            # Most handlers finish long before their lease ends: suggest the short retry
+            # interval, never longer than the lease itself has left.
             remaining = (record.locked_until - now).total_seconds()
-            await self._reject(self._in_progress(remaining), Outcome.IN_PROGRESS)
+            wait = min(remaining, self.mw.retry_after)
+            await self._reject(self._in_progress(wait), Outcome.IN_PROGRESS)
 
     async def _run_captured(self, body: bytes) -> tuple[Message, bytes]:
         """Run the app on the buffered body; hold its response back instead of sending it."""
