@@ -301,12 +301,12 @@ class OutboundLedger:
         except BaseException as exc:
             await self._finish_failed(key, state, exc)
             raise
-        await self._record(key, LedgerStatus.SUCCEEDED, result)
+        # Shielded: the effect happened; a cancellation now must not leave it unrecorded.
+        with anyio.CancelScope(shield=True):
+            await self._record(key, LedgerStatus.SUCCEEDED, result)
         return result
 
-    async def _attempt(
-        self, state: _Call, call: OutboundCall, read_back: ReadBack | None
-    ) -> bytes:
+    async def _attempt(self, state: _Call, call: OutboundCall, read_back: ReadBack | None) -> bytes:
         state.in_flight = True
         try:
             result = await call()
@@ -329,8 +329,9 @@ class OutboundLedger:
             state.log.note(unsent, status=status, failure=exc)
             raise exc
         if status is not None and status < 500:
-            state.log.note(Decision(False, f"{status}: refused by the service"), status=status,
-                           failure=exc)
+            state.log.note(
+                Decision(False, f"{status}: refused by the service"), status=status, failure=exc
+            )
             raise exc
 
         state.maybe_acted = True
@@ -354,8 +355,10 @@ class OutboundLedger:
         raise exc
 
     async def _finish_failed(self, key: str, state: _Call, exc: BaseException) -> None:
-        # A cancellation while call() was awaited may have reached the service.
-        maybe = state.maybe_acted or state.in_flight or not isinstance(exc, Exception)
+        # in_flight: cancelled (or interrupted) while call() was awaited, so the request
+        # may have reached the service. Cancelled during a backoff after failures that
+        # sent nothing, the row is truthfully 'failed'.
+        maybe = state.maybe_acted or state.in_flight
         status = LedgerStatus.UNKNOWN if maybe else LedgerStatus.FAILED
         # Shielded: a cancelled caller must still leave the row in a truthful state,
         # not 'pending' forever.
@@ -394,9 +397,7 @@ class OutboundLedger:
                     )
                     if taken.rowcount == 1:
                         return None
-                    row = (
-                        await conn.execute(select(ledger_table).where(_t.key == key))
-                    ).first()
+                    row = (await conn.execute(select(ledger_table).where(_t.key == key))).first()
                 if row is not None:
                     return _entry(row)
         except SQLAlchemyError as exc:

@@ -4,20 +4,20 @@
 and answers with a :class:`Decision`. It never sleeps and never sends; the loop
 that acts on it is stamina's (see :mod:`asgi_idempotency.client.transport`).
 
-The one question that matters is whether the server may already have acted:
+The one question that matters is whether the server may already have acted::
 
-==========================================  =============  ==========================
-outcome                                     may have acted  retried
-==========================================  =============  ==========================
-ConnectError, ConnectTimeout, PoolTimeout   no              always
-408, 425, 429                               no              always (429: Retry-After)
-ReadTimeout, WriteTimeout, ReadError,       maybe           only with a key
-WriteError, RemoteProtocolError, 502,
-503 (Retry-After), 504
-409 (idempotency-aware server: in flight)   running now     only with a key (Retry-After)
-other 4xx, 500, 501, 505+                   yes / bug       never
-anything else                               unknown         never
-==========================================  =============  ==========================
+    outcome                                     server may have acted   retried
+    ConnectError, ConnectTimeout, PoolTimeout   no                      always
+    408, 425, 429                               no (it said so)         always
+    ReadTimeout, WriteTimeout, ReadError,       maybe                   only with a key
+      WriteError, RemoteProtocolError,
+      builtin TimeoutError, 502, 503, 504
+    409 (idempotency-aware server)              running right now       only with a key
+    other 4xx, 500, 501, 505+                   answered / a bug        never
+    any other exception                         unknown                 never
+
+``delay`` comes from ``Retry-After`` (delta-seconds or HTTP-date) where the server
+sends one on a retried response; otherwise the exponential backoff applies.
 """
 
 from __future__ import annotations
@@ -269,21 +269,25 @@ def _ambiguous(what: str, has_key: bool, delay: float | None = None) -> Decision
     return Decision(False, f"{what}; not retried without an idempotency key")
 
 
-def _classify_response(response: httpx.Response, *, has_key: bool, now: datetime | None) -> Decision:
+def _classify_response(
+    response: httpx.Response, *, has_key: bool, now: datetime | None
+) -> Decision:
     status = response.status_code
     if status < 400:
         return Decision(False, f"{status}: final response")
     if status in _NOT_PROCESSED:
-        return Decision(True, f"{_NOT_PROCESSED[status]}: not processed", _retry_after(response, now))
+        return Decision(
+            True, f"{_NOT_PROCESSED[status]}: not processed", _retry_after(response, now)
+        )
     if status in _GATEWAY:
         return _ambiguous(_GATEWAY[status], has_key, _retry_after(response, now))
     if status == 409 and has_key:
         # draft-ietf-httpapi-idempotency-key-header, section 2.7: a request with the
-        # same key is still being processed. Back off and ask again; the retry then
-        # gets the replay. Without a key a 409 is the application's own conflict.
-        return Decision(
-            True, "409: the same key is still in flight; waiting", _retry_after(response, now)
-        )
+        # same key is still being processed. Poll with the exponential backoff: servers
+        # differ in what Retry-After means here (some send the whole remaining lease,
+        # an upper bound), while most handlers finish far sooner.
+        # Without a key a 409 is the application's own conflict: final.
+        return Decision(True, "409: the same key is still in flight; polling")
     if status < 500:
         return Decision(False, f"{status}: the server refused the request")
     # A 500 is most often a bug that a retry only repeats, and 501/505 are permanent.

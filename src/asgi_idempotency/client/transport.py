@@ -29,8 +29,8 @@ from asgi_idempotency.client.retry import (
 )
 
 __all__ = [
-    "IDEMPOTENCY_KEY_HEADER",
     "AsyncIdempotentTransport",
+    "IDEMPOTENCY_KEY_HEADER",
     "IdempotentTransport",
     "KeyFunction",
     "random_key",
@@ -65,7 +65,7 @@ class _RetryableResponse(Exception):
 
 
 def _resolve_key(request: httpx.Request, key_for: KeyFunction | None) -> str | None:
-    key = request.headers.get(IDEMPOTENCY_KEY_HEADER)
+    key: str | None = request.headers.get(IDEMPOTENCY_KEY_HEADER)
     if key is None and key_for is not None:
         key = key_for(request)
         if key is not None:
@@ -138,8 +138,9 @@ class IdempotentTransport(httpx.BaseTransport):
         run = _Run(request, _resolve_key(request, self._key_for), self._policy)
         # Buffer the body once so every attempt can send it again.
         request.read()
+        attempts = stamina.retry_context(run.log.hook, **self._policy.stamina_kwargs())
         try:
-            for attempt in stamina.retry_context(run.log.hook, **self._policy.stamina_kwargs()):
+            for attempt in attempts:
                 with attempt:
                     return self._attempt(run)
         except Exception as exc:
@@ -183,8 +184,9 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         run = _Run(request, _resolve_key(request, self._key_for), self._policy)
         await request.aread()
+        attempts = stamina.retry_context(run.log.hook, **self._policy.stamina_kwargs())
         try:
-            async for attempt in stamina.retry_context(run.log.hook, **self._policy.stamina_kwargs()):
+            async for attempt in attempts:
                 with attempt:
                     return await self._attempt(run)
         except Exception as exc:
