@@ -1,0 +1,131 @@
+"""Postgres goes away mid-service, through a loopback TCP proxy the test cuts and restores.
+
+Real Postgres, real asyncpg connections, real resets; the app runs in-process so the
+test can count handler calls and read the rows directly (the probe bypasses the proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from asgi_idempotency import SQLStore
+from asgi_idempotency.stores.base import RecordStatus
+
+from .apps import refund_app
+from .support import Probe, TcpProxy, close_bounded
+
+pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+
+PROBLEM = "application/problem+json"
+
+
+def _key(name: str) -> dict[str, str]:
+    return {"Idempotency-Key": name}
+
+
+async def test_outage_fails_closed_then_the_same_process_recovers(
+    pg_url: str, pg_proxy: TcpProxy, probe: Probe
+) -> None:
+    store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
+    t = refund_app(store)
+    try:
+        async with asyncio.timeout(30), t.client() as c:  # bounded: a hang fails
+            # Warm the pool: the cut must break a connection the pool believes is good.
+            before = await c.post("/refunds", json={"amount": 1}, headers=_key("before"))
+            assert before.status_code == 201
+            pg_proxy.cut()
+
+            down = [
+                await c.post("/refunds", json={"amount": 2}, headers=_key(f"down-{i}"))
+                for i in range(3)
+            ]
+            unguarded = await c.post("/notes", json={"n": 1})
+            health = await c.get("/health")
+            replay_while_down = await c.post("/refunds", json={"amount": 1}, headers=_key("before"))
+
+            assert [r.status_code for r in down] == [503, 503, 503]
+            for r in down:
+                assert r.headers["content-type"] == PROBLEM
+                assert int(r.headers["retry-after"]) >= 1
+            assert replay_while_down.status_code == 503  # not a guess from memory either
+            assert unguarded.status_code == 200
+            assert health.status_code == 200
+            assert t.calls["refund"] == 1  # no handler ran while the store was down
+            assert await probe.records() != []  # only "before"
+            assert len(await probe.records()) == 1
+
+            pg_proxy.restore()
+            # No restart, no pre-ping: broken connections were invalidated when they
+            # failed, so the next checkout connects afresh. Allow one failed request.
+            after: list[int] = []
+            for _ in range(2):
+                r = await c.post("/refunds", json={"amount": 3}, headers=_key("after"))
+                after.append(r.status_code)
+                if r.status_code == 201:
+                    break
+            replay = await c.post("/refunds", json={"amount": 1}, headers=_key("before"))
+        assert after[-1] == 201, after
+        assert replay.status_code == 201
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.json() == before.json()
+        assert t.calls["refund"] == 2
+    finally:
+        await close_bounded(store, pg_proxy)
+
+
+async def test_store_error_while_completing_returns_the_true_response_and_never_replays(
+    pg_url: str, pg_proxy: TcpProxy, probe: Probe
+) -> None:
+    """The handler's effect happened, then the store went away before ``complete``.
+
+    What the client gets: the handler's real 201 (not a 503: the effect did happen).
+    What the row says: ``in_progress`` with no stored response, until its lease ends.
+    A retry before then: 409, never a replay of something else. After it: the claim is
+    taken over and the handler runs again (the guarantee this cannot give, stated).
+    """
+    lease = 1.0
+    store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
+
+    async def cut_after_effect() -> None:
+        if len(t.finished) == 1:
+            pg_proxy.cut()
+
+    t = refund_app(store, lease=lease, after_handler=cut_after_effect)
+    body = {"amount": 7}
+    try:
+        async with asyncio.timeout(30), t.client() as c:  # bounded: a hang fails
+            first = await c.post("/refunds", json=body, headers=_key("k"))
+            assert first.status_code == 201
+            assert "idempotent-replayed" not in first.headers
+            assert first.json()["refund_id"] == t.finished[0]
+
+            rows = await probe.records()  # the probe reads Postgres directly, not via the proxy
+            assert [(r.status, r.response_status) for r in rows] == [
+                (RecordStatus.IN_PROGRESS, None)
+            ]
+            assert rows[0].locked_until > datetime.now(UTC)
+
+            pg_proxy.restore()
+            retry = await c.post("/refunds", json=body, headers=_key("k"))
+            assert retry.status_code in (409, 503)  # 503 if the one broken connection fails first
+            if retry.status_code == 503:
+                retry = await c.post("/refunds", json=body, headers=_key("k"))
+            assert retry.status_code == 409
+            assert retry.headers["content-type"] == PROBLEM
+            assert t.calls["refund"] == 1
+
+            await asyncio.sleep(
+                max(0.0, (rows[0].locked_until - datetime.now(UTC)).total_seconds()) + 0.1
+            )
+            late = await c.post("/refunds", json=body, headers=_key("k"))
+        assert late.status_code == 201
+        assert "idempotent-replayed" not in late.headers  # re-run, not a replay
+        assert late.json()["refund_id"] == t.finished[1] != t.finished[0]
+        assert t.calls["refund"] == 2
+        rows = await probe.records()
+        assert [(r.status, r.response_status) for r in rows] == [(RecordStatus.COMPLETED, 201)]
+    finally:
+        await close_bounded(store, pg_proxy)
