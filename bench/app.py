@@ -1,0 +1,296 @@
+"""The benchmark's refund app, in every variant, served by uvicorn: ``--factory app:create``.
+
+``BENCH_VARIANT`` picks the guard in front of the same handler:
+
+- ``none``: no guard (the ceiling);
+- ``pg`` / ``sqlite`` / ``memory``: :class:`IdempotencyMiddleware` on that store;
+- ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
+  one statement for a replay, 409 or 422, two for a first request, nothing else;
+- ``floor_sqlite``: the same guard on one raw aiosqlite connection.
+
+The handler does no I/O of its own, so the guard's cost is what the numbers show.
+``BENCH_PG_URL`` (``postgresql://…``) and ``BENCH_SQLITE_PATH`` say where the stores live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LEASE = timedelta(seconds=30)
+TTL = timedelta(hours=24)
+
+
+async def refund(request: Request) -> Response:
+    payload = orjson.loads(await request.body())
+    if "delay" in payload:  # only the round-trip count uses it, to hold a request in flight
+        await asyncio.sleep(float(payload["delay"]))
+    body = orjson.dumps(
+        {
+            "refund_id": str(uuid.uuid4()),
+            "order_id": request.path_params["order_id"],
+            "amount": payload["amount"],
+        }
+    )
+    return Response(body, status_code=201, media_type="application/json")
+
+
+async def health(request: Request) -> Response:
+    return Response(b'{"ok":true}', media_type="application/json")
+
+
+ROUTES = [
+    Route("/orders/{order_id}/refunds", refund, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+]
+
+# ---------------------------------------------------------------------------------------
+# The floor: a pure-ASGI guard with nothing but the statements, on the raw driver.
+
+PG_CLAIM = """
+WITH ins AS (
+    INSERT INTO idempotency_records
+        (key, request_hash, status, token, created_at, locked_until, expires_at)
+    VALUES ($1, $2, 'in_progress', $3, $4, $5, $6)
+    ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM ins), r.request_hash, r.status, r.response_status,
+       r.response_headers, r.response_body
+FROM (SELECT 1) AS one
+LEFT JOIN idempotency_records AS r ON r.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)
+"""
+PG_COMPLETE = """
+UPDATE idempotency_records SET status = 'completed', expires_at = $3, response_status = $4,
+       response_headers = $5, response_body = $6
+WHERE key = $1 AND token = $2 AND status = 'in_progress'
+"""
+SQLITE_INSERT = """
+INSERT INTO idempotency_records
+    (key, request_hash, status, token, created_at, locked_until, expires_at)
+VALUES (?, ?, 'in_progress', ?, ?, ?, ?)
+ON CONFLICT (key) DO NOTHING
+RETURNING 1
+"""
+SQLITE_SELECT = """
+SELECT 0, request_hash, status, response_status, response_headers, response_body
+FROM idempotency_records WHERE key = ?
+"""
+SQLITE_COMPLETE = """
+UPDATE idempotency_records SET status = 'completed', expires_at = ?, response_status = ?,
+       response_headers = ?, response_body = ?
+WHERE key = ? AND token = ? AND status = 'in_progress'
+"""
+
+
+def _sqlite_time(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+class _PgBackend:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.pool: Any = None
+
+    async def start(self) -> None:
+        import asyncpg
+
+        # The same number of connections as SQLStore's default pool (pool_size=10).
+        size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
+        self.pool = await asyncpg.create_pool(self.url, min_size=size, max_size=size)
+
+    async def stop(self) -> None:
+        await self.pool.close()
+
+    async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        async with self.pool.acquire() as c:
+            return await c.fetchrow(PG_CLAIM, key, h, token, now, now + LEASE, now + TTL)
+
+    async def complete(
+        self, key: str, token: str, status: int, headers: bytes, body: bytes
+    ) -> None:
+        expires = datetime.now(UTC) + TTL
+        async with self.pool.acquire() as c:
+            await c.execute(PG_COMPLETE, key, token, expires, status, headers, body)
+
+
+class _SQLiteBackend:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.conn: Any = None
+
+    async def start(self) -> None:
+        import aiosqlite
+
+        self.conn = await aiosqlite.connect(self.path, isolation_level=None)
+        for pragma in ("journal_mode=WAL", "busy_timeout=10000", "synchronous=NORMAL"):
+            await self.conn.execute(f"PRAGMA {pragma}")
+
+    async def stop(self) -> None:
+        await self.conn.close()
+
+    async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        args = (
+            key,
+            h,
+            token,
+            _sqlite_time(now),
+            _sqlite_time(now + LEASE),
+            _sqlite_time(now + TTL),
+        )
+        if await self.conn.execute_fetchall(SQLITE_INSERT, args):
+            return (True,)
+        rows = list(await self.conn.execute_fetchall(SQLITE_SELECT, (key,)))
+        return rows[0] if rows else (False, None, None)
+
+    async def complete(
+        self, key: str, token: str, status: int, headers: bytes, body: bytes
+    ) -> None:
+        expires = _sqlite_time(datetime.now(UTC) + TTL)
+        await self.conn.execute_fetchall(
+            SQLITE_COMPLETE, (expires, status, headers, body, key, token)
+        )
+
+
+def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return status, [(b"content-type", b"application/problem+json")], b'{"status":%d}' % status
+
+
+class FloorGuard:
+    """Claim, run, complete; replay, 409 or 422 from the claim's row. Nothing else."""
+
+    def __init__(self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend) -> None:
+        self.app, self.backend = app, backend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        raw_key = next((v for n, v in scope["headers"] if n == b"idempotency-key"), None)
+        if raw_key is None:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        key = hashlib.sha256(raw_key).hexdigest()
+        h = hashlib.sha256(scope["path"].encode() + b"\x00" + body).hexdigest()
+        token = uuid.uuid4().hex
+        row = await self.backend.claim(key, h, token, datetime.now(UTC))
+        if not row[0]:
+            if row[1] is None:
+                status, headers, content = _problem(409)  # vanished meanwhile: let it retry
+            elif row[1] != h:
+                status, headers, content = _problem(422)
+            elif row[2] != "completed":
+                status, headers, content = _problem(409)
+            else:
+                status, content = row[3], bytes(row[5])
+                headers = [(k.encode(), v.encode()) for k, v in orjson.loads(row[4])]
+                headers.append((b"idempotent-replayed", b"true"))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": content})
+            return
+        start: Message = {}
+        parts: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            else:
+                parts.append(message.get("body", b""))
+
+        async def replay_body() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay_body, capture)
+        content = b"".join(parts)
+        stored = orjson.dumps([[k.decode(), v.decode()] for k, v in start.get("headers", [])])
+        await self.backend.complete(key, token, start["status"], stored, content)
+        await send(start)
+        await send({"type": "http.response.body", "body": content})
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def create() -> Starlette:
+    variant = os.environ.get("BENCH_VARIANT", "none")
+    pg_url = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/bench_idem")
+    sqlite_path = os.environ.get("BENCH_SQLITE_PATH", "/tmp/bench_idem.db")
+    middleware: list[Middleware] = []
+    closers: list[Callable[[], Awaitable[None]]] = []
+    starters: list[Callable[[], Awaitable[None]]] = []
+
+    if variant in ("pg", "sqlite", "memory"):
+        from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
+        from asgi_idempotency.stores.base import Store
+
+        store: Store
+        if variant == "memory":
+            store = MemoryStore()
+        elif variant == "pg":
+            size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
+            url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)
+            store = SQLStore(url, pool_size=size)
+        else:
+            store = SQLStore(f"sqlite+aiosqlite:///{sqlite_path}")
+        closers.append(store.close)
+        policy = Policy(required=True)
+        middleware.append(
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                policies={"POST /orders/{order_id}/refunds": policy},
+            )
+        )
+    elif variant in ("floor_pg", "floor_sqlite"):
+        backend: _PgBackend | _SQLiteBackend = (
+            _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
+            if variant == "floor_pg"
+            else _SQLiteBackend(sqlite_path)
+        )
+        starters.append(backend.start)
+        closers.append(backend.stop)
+        middleware.append(Middleware(FloorGuard, backend=backend))
+    elif variant != "none":
+        raise ValueError(f"unknown BENCH_VARIANT {variant!r}")
+
+    @asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        for start in starters:
+            await start()
+        if os.environ.get("BENCH_GC_FREEZE") == "1":
+            gc.collect()
+            gc.freeze()  # start-up objects leave the collector's scans, in every variant alike
+        if os.environ.get("BENCH_GC_DISABLE") == "1":  # diagnosis only: is a tail the GC?
+            gc.disable()
+        yield
+        for close in closers:
+            await close()
+
+    return Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan)

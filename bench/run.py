@@ -1,0 +1,491 @@
+"""The idempotency benchmark: one command, ``python bench/run.py`` (see bench/README.md).
+
+Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
+one worker, loopback) in every variant at once, then drives them with wrk in
+alternating order, round after round, so that machine drift touches all alike. Prints
+req/s, p50 and p99 per variant and workload with ratios to the floor and to no guard,
+the round trips per outcome counted on the Postgres wire, and PASS/FAIL per target;
+writes ``bench/results/<stamp>.json``, ``latest.json`` and ``chart.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+
+VARIANTS = ["none", "memory", "pg", "floor_pg", "sqlite", "floor_sqlite"]
+WORKLOADS = ["fresh", "replay", "mix"]
+FLOOR = {"pg": "floor_pg", "sqlite": "floor_sqlite", "memory": "none"}
+LABELS = {
+    "none": "no guard",
+    "memory": "ours, memory",
+    "pg": "ours, Postgres",
+    "floor_pg": "floor, asyncpg",
+    "sqlite": "ours, SQLite",
+    "floor_sqlite": "floor, aiosqlite",
+}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Setup: wrk, databases, servers.
+
+
+def ensure_wrk() -> str:
+    found = shutil.which("wrk")
+    if found:
+        return found
+    log("wrk not found: installing it from Debian's packages (apt-get install -y wrk)")
+    apt = ["apt-get", "-y", "-q", "install", "wrk"]
+    if os.geteuid() != 0:
+        apt = ["sudo", *apt]
+    if subprocess.run(apt, check=False, capture_output=True).returncode != 0:
+        update = ["apt-get", "-q", "update"] if os.geteuid() == 0 else ["sudo", "apt-get", "update"]
+        subprocess.run(update, check=True, capture_output=True)
+        subprocess.run(apt, check=True, capture_output=True)
+    found = shutil.which("wrk")
+    if not found:
+        sys.exit("wrk could not be installed; install it (apt-get install wrk) and rerun")
+    return found
+
+
+async def prepare_postgres(admin_url: str, url: str) -> None:
+    import asyncpg
+
+    from asgi_idempotency import SQLStore
+
+    dbname = url.rsplit("/", 1)[1]
+    admin = await asyncpg.connect(admin_url)
+    try:
+        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname):
+            await admin.execute(f'CREATE DATABASE "{dbname}"')
+    finally:
+        await admin.close()
+    store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
+    try:
+        await store.create_all()
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("TRUNCATE idempotency_records")
+    finally:
+        await conn.close()
+
+
+async def prepare_sqlite(path: str) -> None:
+    from asgi_idempotency import SQLStore
+
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + suffix)
+    store = SQLStore(f"sqlite+aiosqlite:///{path}")
+    try:
+        await store.create_all()
+    finally:
+        await store.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    variant: str
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_server(variant: str, env: dict[str, str], log_dir: Path) -> Server:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "uvicorn", "app:create", "--factory", "--app-dir", str(HERE),
+        "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop", "--http", "httptools",
+        "--no-access-log", "--log-level", "warning",
+    ]  # fmt: skip
+    out = (log_dir / f"{variant}.log").open("wb")
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **env, "BENCH_VARIANT": variant},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    server = Server(variant, port, proc)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            sys.exit(f"{variant} server exited:\n{(log_dir / f'{variant}.log').read_text()}")
+        try:
+            with urllib.request.urlopen(server.base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            sys.exit(f"{variant} server did not start:\n{(log_dir / f'{variant}.log').read_text()}")
+        time.sleep(0.1)
+
+
+def post(base: str, key: str, body: bytes) -> int:
+    req = urllib.request.Request(
+        base + "/orders/o-42/refunds",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Idempotency-Key": key},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return int(r.status)
+
+
+# ---------------------------------------------------------------------------------------
+# Load.
+
+
+def run_wrk(
+    wrk: str, server: Server, workload: str, *, duration: float, connections: int, threads: int
+) -> dict[str, Any]:
+    nonce = uuid.uuid4().hex[:12]
+    post(server.base, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
+    cmd = [
+        wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s",
+        "--timeout", "10s",
+        "-s", str(HERE / "wrk" / "guard.lua"), server.base, "--", workload, nonce,
+    ]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no result:\n{out}")
+    data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
+    data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+# Round trips, counted on the Postgres wire (pgwire.WireCounter), per outcome.
+
+
+async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]]:
+    import logging
+
+    import httpx
+    from pgwire import WireCounter
+
+    logging.getLogger("asgi_idempotency").setLevel(logging.CRITICAL)  # 409/422 are expected
+
+    import app as bench_app
+
+    host_port = pg_url.split("@", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.partition(":")
+    out: dict[str, dict[str, list[list[str]]]] = {}
+    async with WireCounter(host, int(port or 5432)) as wire:
+        proxied = pg_url.replace(host_port, f"127.0.0.1:{wire.port}") + "?ssl=disable"
+        for variant in ("pg", "floor_pg"):
+            os.environ["BENCH_VARIANT"] = variant
+            os.environ["BENCH_PG_URL"] = proxied
+            asgi = bench_app.create()
+            seen: dict[str, list[list[str]]] = {}
+            async with asgi.router.lifespan_context(asgi):
+                transport = httpx.ASGITransport(app=asgi)
+                async with httpx.AsyncClient(transport=transport, base_url="http://b") as c:
+
+                    async def call(key: str, body: dict[str, Any], headers: bool = True) -> int:
+                        h = {"Idempotency-Key": key} if headers else {}
+                        r = await c.post("/orders/o-42/refunds", json=body, headers=h)
+                        return r.status_code
+
+                    for _run in ("warm", "count"):  # warm: connect, prepare
+                        k = f"rt-{uuid.uuid4().hex[:8]}"
+                        steps: list[tuple[str, Any]] = [
+                            ("fresh", call(k, {"amount": 1})),
+                            ("replay", call(k, {"amount": 1})),
+                            ("mismatch 422", call(k, {"amount": 2})),
+                            ("no key (unguarded)", call(k, {"amount": 1}, headers=False)),
+                        ]
+                        for name, coro in steps:
+                            wire.reset()
+                            await coro
+                            await asyncio.sleep(0.05)
+                            seen[name] = [rt.verbs for rt in wire.reset()]
+                        slow = f"rt-slow-{uuid.uuid4().hex[:8]}"
+                        first = asyncio.create_task(call(slow, {"amount": 1, "delay": 0.5}))
+                        await asyncio.sleep(0.2)
+                        wire.reset()
+                        await call(slow, {"amount": 1, "delay": 0.5})
+                        seen["in flight 409"] = [rt.verbs for rt in wire.reset()]
+                        await first
+                        wire.reset()
+                        r = await c.get("/health")
+                        assert r.status_code == 200
+                        seen["GET"] = [rt.verbs for rt in wire.reset()]
+            out[variant] = seen
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Report.
+
+
+def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for (workload, variant), runs in cells.items():
+        statuses: dict[str, int] = {}
+        for r in runs:
+            for k, v in r["statuses"].items():
+                statuses[k] = statuses.get(k, 0) + v
+        table.setdefault(workload, {})[variant] = {
+            "rps": statistics.median(r["rps"] for r in runs),
+            "p50_ms": statistics.median(r["p50_us"] for r in runs) / 1000,
+            "p99_ms": statistics.median(r["p99_us"] for r in runs) / 1000,
+            "rounds": [round(r["rps"]) for r in runs],
+            "statuses": statuses,
+            "socket_errors": sum(r["socket_errors"] for r in runs),
+        }
+    return table
+
+
+def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    checks: list[tuple[str, bool, str]] = []
+
+    def ratio(workload: str, a: str, b: str, key: str = "rps") -> float:
+        return float(table[workload][a][key] / table[workload][b][key])
+
+    for workload in ("fresh", "replay"):
+        r = ratio(workload, "pg", "floor_pg")
+        checks.append((f"Postgres {workload}: req/s >= 0.9x floor", r >= 0.9, f"{r:.2f}x"))
+    for workload in ("fresh", "replay", "mix"):
+        r = ratio(workload, "pg", "floor_pg", "p99_ms")
+        checks.append((f"Postgres {workload}: p99 <= 1.2x floor", r <= 1.2, f"{r:.2f}x"))
+    for workload in ("fresh", "replay"):
+        r = ratio(workload, "sqlite", "floor_sqlite")
+        checks.append((f"SQLite {workload}: req/s >= 0.9x aiosqlite floor", r >= 0.9, f"{r:.2f}x"))
+    for workload in ("fresh", "replay"):
+        r = ratio(workload, "memory", "none")
+        checks.append((f"memory {workload}: req/s >= 0.8x no guard", r >= 0.8, f"{r:.2f}x"))
+    return checks
+
+
+def print_table(table: dict[str, Any]) -> None:
+    log("")
+    log(f"{'workload':8} {'variant':18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'÷floor':>7} {'÷none':>7}  rounds (req/s)        statuses")  # fmt: skip
+    for workload in (w for w in WORKLOADS if w in table):
+        row = table[workload]
+        for variant in (v for v in VARIANTS if v in row):
+            c = row[variant]
+            floor = FLOOR.get(variant)
+            vs_floor = f"{c['rps'] / row[floor]['rps']:.2f}x" if floor in row else ""
+            vs_none = f"{c['rps'] / row['none']['rps']:.2f}x" if "none" in row else ""
+            statuses = " ".join(f"{k}:{v}" for k, v in sorted(c["statuses"].items()))
+            log(f"{workload:8} {LABELS[variant]:18} {c['rps']:8.0f} {c['p50_ms']:8.2f} "
+                f"{c['p99_ms']:8.2f} {vs_floor:>7} {vs_none:>7}  "
+                f"{c['rounds']!s:22} {statuses}")  # fmt: skip
+        log("")
+
+
+def print_round_trips(trips: dict[str, dict[str, list[list[str]]]]) -> None:
+    log("Round trips per outcome on the Postgres wire (statements in each; no BEGIN/COMMIT):")
+    log(f"  {'outcome':20} {'ours':>4}  {'floor':>5}   ours' statements")
+    for outcome, ours in trips["pg"].items():
+        floor = trips["floor_pg"][outcome]
+        stmts = " | ".join("+".join(rt) for rt in ours) or "-"
+        log(f"  {outcome:20} {len(ours):>4}  {len(floor):>5}   {stmts}")
+    log("")
+
+
+def chart(table: dict[str, Any], path: Path, stamp: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.4), dpi=80)
+    width = 0.13
+    colors = ["#888888", "#8fbc8f", "#1f77b4", "#aec7e8", "#d62728", "#ff9896"]
+    for i, variant in enumerate(VARIANTS):
+        xs = [w + (i - 2.5) * width for w in range(len(WORKLOADS))]
+        ys = [table[w][variant]["rps"] for w in WORKLOADS]
+        ax.bar(xs, ys, width, label=LABELS[variant], color=colors[i])
+    ax.set_xticks(range(len(WORKLOADS)), ["fresh keys", "replays", "mix"])
+    ax.set_ylabel("requests/s (median of rounds)")
+    ax.set_title(f"asgi-idempotency, uvicorn 1 worker, wrk on loopback ({stamp})", fontsize=9)
+    top = max(table[w][v]["rps"] for w in WORKLOADS for v in VARIANTS)
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    system = f"{platform.system()} {platform.release()}"
+    return f"{os.cpu_count()} CPU {cpu}, {system}, Python {platform.python_version()}"
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=int, default=5, help="seconds per cell (default 5)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--connections", type=int, default=32, help="wrk connections (default 32)")
+    ap.add_argument("--threads", type=int, default=1, help="wrk threads (default 1: 2 cores)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/bench_idem"),
+    )
+    ap.add_argument("--scale", action="store_true", help="also run the 10M-row scale checks (slow)")
+    ap.add_argument("--no-chart", action="store_true")
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="keep start-up objects in the GC's scans (default: gc.freeze() in every variant)",
+    )
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    workloads = args.workloads.split(",")
+
+    wrk = ensure_wrk()
+    admin_url = args.pg.rsplit("/", 1)[0] + "/postgres"
+    asyncio.run(prepare_postgres(admin_url, args.pg))
+    tmp = Path(tempfile.mkdtemp(prefix="bench_idem_"))
+    env = {"BENCH_PG_URL": args.pg, "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1"}
+    servers: dict[str, Server] = {}
+    try:
+        for variant in variants:
+            if variant in ("sqlite", "floor_sqlite"):
+                path = str(tmp / f"{variant}.db")
+                asyncio.run(prepare_sqlite(path))
+                env_v = {**env, "BENCH_SQLITE_PATH": path}
+            else:
+                env_v = env
+            servers[variant] = start_server(variant, env_v, tmp)
+        log(f"servers up: {', '.join(f'{v}:{s.port}' for v, s in servers.items())}; logs in {tmp}")
+        for server in servers.values():  # warm-up: connections, prepared statements, caches
+            run_wrk(
+                wrk, server, "mix", duration=1, connections=args.connections, threads=args.threads
+            )
+
+        cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for rnd in range(args.rounds):
+            for workload in workloads:
+                shift = (rnd + workloads.index(workload)) % len(variants)
+                order = variants[shift:] + variants[:shift]
+                for variant in order:
+                    result = run_wrk(
+                        wrk, servers[variant], workload,
+                        duration=args.duration, connections=args.connections, threads=args.threads,
+                    )  # fmt: skip
+                    cells.setdefault((workload, variant), []).append(result)
+                    log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
+                        f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
+                        f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
+    finally:
+        for server in servers.values():
+            try:
+                os.killpg(server.process.pid, 15)
+                server.process.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(server.process.pid, 9)
+
+    table = summarize(cells)
+    trips = asyncio.run(count_round_trips(args.pg))
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    log(f"\n{stamp} on {machine()}")
+    log(f"wrk -t{args.threads} -c{args.connections}, {args.duration:g} s per cell, "
+        f"{args.rounds} alternating rounds, median shown")  # fmt: skip
+    print_table(table)
+    print_round_trips(trips)
+
+    complete = all(v in variants for v in VARIANTS) and all(w in workloads for w in WORKLOADS)
+    checks = check_targets(table) if complete else []
+    for name, ok, value in checks:
+        log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value}")
+    budget_ok = all(
+        len(trips["pg"][o]) == n
+        for o, n in {
+            "fresh": 2,
+            "replay": 1,
+            "mismatch 422": 1,
+            "in flight 409": 1,
+            "no key (unguarded)": 0,
+            "GET": 0,
+        }.items()
+    ) and not any(
+        v in ("BEGIN", "COMMIT") for rts in trips["pg"].values() for rt in rts for v in rt
+    )
+    budget = "Postgres round trips: 2 / 1 / 1 / 1 / 0, no BEGIN"
+    log(f"{'PASS' if budget_ok else 'FAIL'}  {budget:48}")
+
+    scale: dict[str, Any] | None = None
+    if args.scale:
+        import scale as scale_mod
+
+        scale = scale_mod.run(args.pg, wrk, connections=args.connections, threads=args.threads)
+
+    RESULTS.mkdir(exist_ok=True)
+    record = {
+        "date": stamp,
+        "machine": machine(),
+        "settings": vars(args),
+        "table": table,
+        "round_trips": trips,
+        "targets": [{"target": n, "pass": ok, "value": v} for n, ok, v in checks]
+        + [{"target": "Postgres round trips", "pass": budget_ok, "value": ""}],
+        "scale": scale,
+    }
+    file_stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    # A partial run (--variants/--workloads) never replaces latest.json or the chart.
+    names = [f"{file_stamp}.json", "latest.json"] if complete else [f"partial-{file_stamp}.json"]
+    for name in names:
+        (RESULTS / name).write_text(json.dumps(record, indent=2) + "\n")
+    if complete and not args.no_chart:
+        chart(table, RESULTS / "chart.png", stamp)
+        log(f"wrote {RESULTS / 'latest.json'} and {RESULTS / 'chart.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Scale checks for ``bench/run.py --scale`` (slow: fills 10 million rows).
+
+1. Fresh-key p50 with an empty table, then with 10M rows (generated in SQL, 1M of them
+   expired): target within 1.2x.
+2. Fresh-key p99 while ``prune`` deletes the 1M expired rows in batches of 1000, against
+   the same load without prune: target within 2x.
+
+Uses its own database (``<db>_scale``) and the ``pg`` variant of ``bench/app.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROWS = 10_000_000
+EXPIRED = 1_000_000
+
+FILL = f"""
+INSERT INTO idempotency_records
+    (key, request_hash, status, token, created_at, locked_until, expires_at,
+     response_status, response_headers, response_body)
+SELECT md5(i::text) || md5((-i)::text), md5(i::text) || md5(i::text), 'completed',
+       substr(md5(i::text), 1, 32), now(), now(),
+       CASE WHEN i <= {EXPIRED} THEN now() - interval '1 hour' ELSE now() + interval '1 day' END,
+       201, '[["content-type","application/json"]]'::bytea, '{{"refund_id":"x"}}'::bytea
+FROM generate_series(1, {ROWS}) AS i
+"""
+
+
+def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, Any]:
+    import asyncpg
+    import run as bench
+
+    url = pg_url + "_scale"
+    admin = pg_url.rsplit("/", 1)[0] + "/postgres"
+    asyncio.run(bench.prepare_postgres(admin, url))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    env = {"BENCH_PG_URL": url, "BENCH_GC_FREEZE": "1"}
+    out: dict[str, Any] = {}
+
+    def load(server: bench.Server, seconds: int) -> dict[str, Any]:
+        return bench.run_wrk(
+            wrk, server, "fresh", duration=seconds, connections=connections, threads=threads
+        )
+
+    server = bench.start_server("pg", env, log_dir)
+    try:
+        load(server, 2)
+        empty = load(server, 10)
+        bench.log(f"scale: empty table      p50 {empty['p50_us'] / 1000:.2f} ms")
+
+        async def fill() -> None:
+            conn = await asyncpg.connect(url)
+            try:
+                await conn.execute(FILL, timeout=3600)
+                await conn.execute("VACUUM ANALYZE idempotency_records", timeout=3600)
+            finally:
+                await conn.close()
+
+        started = time.monotonic()
+        asyncio.run(fill())
+        bench.log(f"scale: filled {ROWS:,} rows in {time.monotonic() - started:.0f} s")
+        load(server, 2)
+        full = load(server, 10)
+        bench.log(f"scale: {ROWS:,} rows   p50 {full['p50_us'] / 1000:.2f} ms")
+
+        pruned: list[int] = []
+
+        def prune() -> None:
+            from asgi_idempotency import SQLStore
+
+            async def loop() -> None:
+                store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
+                try:
+                    while n := await store.prune(now=datetime.now(UTC), batch_size=1000):
+                        pruned.append(n)
+                finally:
+                    await store.close()
+
+            asyncio.run(loop())
+
+        base = load(server, 10)
+        pruner = threading.Thread(target=prune)
+        pruner.start()
+        during = load(server, 10)
+        pruner.join()
+        bench.log(
+            f"scale: p99 without prune {base['p99_us'] / 1000:.2f} ms, during prune "
+            f"{during['p99_us'] / 1000:.2f} ms ({sum(pruned):,} rows pruned)"
+        )
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=10)
+
+    p50_ratio = full["p50_us"] / empty["p50_us"]
+    p99_ratio = during["p99_us"] / base["p99_us"]
+    checks = [
+        ("scale: fresh p50 at 10M rows <= 1.2x empty", p50_ratio <= 1.2, p50_ratio),
+        ("scale: p99 during 1M-row prune <= 2x no prune", p99_ratio <= 2.0, p99_ratio),
+    ]
+    for name, ok, value in checks:
+        bench.log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value:.2f}x")
+    out.update(
+        empty=empty,
+        full=full,
+        no_prune=base,
+        during_prune=during,
+        pruned=sum(pruned),
+        targets=[{"target": n, "pass": ok, "value": f"{v:.2f}x"} for n, ok, v in checks],
+    )
+    return out
