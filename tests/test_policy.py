@@ -156,3 +156,56 @@ def test_policy_validates_its_numbers() -> None:
         Policy(ttl=timedelta(0))
     with pytest.raises(ValueError, match="lease"):
         Policy(ttl=timedelta(seconds=1), lease=timedelta(seconds=2))
+
+
+async def test_routes_added_after_the_first_request_are_resolved() -> None:
+    calls: list[str] = []
+
+    async def late(request: Request) -> JSONResponse:
+        calls.append("late")
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(
+        routes=[Route("/early", late, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                policies={"POST /late": Policy(required=True)},
+            )
+        ],
+    )
+    async with client(app) as c:
+        assert (await c.post("/late")).status_code == 404
+        app.router.routes.append(Route("/late", late, methods=["POST"]))
+        assert (await c.post("/late")).status_code == 400  # now resolved, and required
+
+
+async def test_host_routes_resolve_by_host_every_time() -> None:
+    from starlette.routing import Host, Router
+
+    calls: list[str] = []
+
+    def endpoint(name: str) -> object:
+        @idempotent(required=name == "strict")
+        async def handle(request: Request) -> JSONResponse:
+            calls.append(name)
+            return JSONResponse({}, status_code=201)
+
+        return handle
+
+    app = Starlette(
+        routes=[
+            Host(
+                "strict.example", app=Router([Route("/pay", endpoint("strict"), methods=["POST"])])
+            ),
+            Host("lax.example", app=Router([Route("/pay", endpoint("lax"), methods=["POST"])])),
+        ],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+    )
+    async with client(app) as c:
+        lax = await c.post("http://lax.example/pay")
+        strict = await c.post("http://strict.example/pay")
+        lax_again = await c.post("http://lax.example/pay")
+    assert (lax.status_code, strict.status_code, lax_again.status_code) == (201, 400, 201)
+    assert calls == ["lax", "lax"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -25,7 +25,7 @@ from .keys import (
     scoped_key,
 )
 from .metrics import MetricsSink, Outcome
-from .policy import Policy, has_router, iter_endpoint_policies, lookup, resolve_route
+from .policy import Policy, RouteResolver, has_router, iter_endpoint_policies, lookup
 from .problems import (
     BodyTooLarge,
     IdempotencyError,
@@ -129,6 +129,7 @@ class IdempotencyMiddleware:
         self.clock = clock
         self.retry_after = retry_after
         self.prune_interval = prune_interval
+        self._resolve = RouteResolver()
         # Completions and releases outlive a cancelled request; keep them referenced.
         self._background: set[asyncio.Task[Any]] = set()
         self.check_policies()
@@ -141,7 +142,7 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         method = scope["method"]
-        resolved = resolve_route(scope)
+        resolved = self._resolve(scope)
         if resolved is None and has_router(scope):
             # The router will answer 404 or 405: no handler runs, nothing to guard.
             await self.app(scope, receive, send)
@@ -333,7 +334,7 @@ class _Guard:
     async def _claim_and_run(self, body: bytes, request_hash: str) -> None:
         mw, policy = self.mw, self.policy
         now = mw.clock()
-        token = uuid.uuid4().hex
+        token = secrets.token_hex(16)
         try:
             claim = await mw.store.claim(
                 self.key,
@@ -471,7 +472,7 @@ class _Guard:
 
         mw, policy = self.mw, self.policy
         now = mw.clock()
-        token = uuid.uuid4().hex
+        token = secrets.token_hex(16)
         try:
             conn = await mw.transactional_engine().connect()
         except DATABASE_ERRORS as exc:

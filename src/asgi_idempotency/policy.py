@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
+
+from starlette.routing import Host, Match, Mount
 
 from .asgi import Scope
 
 __all__ = [
     "Policy",
     "ResolvedRoute",
+    "RouteResolver",
     "has_router",
     "idempotent",
     "iter_endpoint_policies",
@@ -108,14 +112,18 @@ class ResolvedRoute:
     endpoint: Any
 
 
-def _expand(routes: Iterable[Any]) -> Iterable[Any]:
-    # Recent FastAPI keeps included routers nested; its public iter_route_contexts
-    # yields their effective routes with the full prefixed path_format.
-    try:
-        from fastapi.routing import iter_route_contexts
-    except ImportError:  # Starlette only
-        return routes
-    return iter_route_contexts(list(routes))
+def _expand(routes: Iterable[Any]) -> list[Any]:
+    """Routes as the router tries them, FastAPI's included routers flattened.
+
+    Recent FastAPI keeps included routers nested; its public ``iter_route_contexts``
+    yields their effective routes with the full prefixed ``path_format``. If FastAPI
+    was never imported there is no FastAPI router to flatten (and no import to pay).
+    """
+    fastapi_routing = sys.modules.get("fastapi.routing")
+    flatten = getattr(fastapi_routing, "iter_route_contexts", None)
+    if flatten is None:
+        return list(routes)
+    return list(flatten(list(routes)))
 
 
 def has_router(scope: Scope) -> bool:
@@ -123,56 +131,98 @@ def has_router(scope: Scope) -> bool:
     return getattr(scope.get("app"), "router", None) is not None
 
 
-def resolve_route(scope: Scope) -> ResolvedRoute | None:
-    """The route the app's own router would run for ``scope``, or ``None``.
+class _Walk:
+    """One resolution; notes whether the answer depended on more than method and path."""
+
+    def __init__(self, expand: Callable[[list[Any]], list[Any]]) -> None:
+        self.expand = expand
+        self.cacheable = True
+
+    def __call__(
+        self, routes: list[Any], scope: dict[str, Any], prefix: str
+    ) -> ResolvedRoute | None:
+        for route in self.expand(routes):
+            original = getattr(route, "original_route", route)
+            if isinstance(original, Host):
+                self.cacheable = False  # the Host header decides, not the path
+            try:
+                match, child = route.matches(scope)
+            except (AttributeError, NotImplementedError, KeyError):
+                continue
+            if match is not Match.FULL:
+                continue
+            if isinstance(original, (Mount, Host)):
+                sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
+                found = self(original.routes, {**scope, **child}, sub_prefix)
+                if found is not None:
+                    return found
+                continue
+            template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
+            endpoint = child.get("endpoint", getattr(route, "endpoint", None))
+            return ResolvedRoute(prefix + template, endpoint)
+        return None
+
+
+class RouteResolver:
+    """Finds the route the app's own router would run, memoised per (method, path).
 
     Walks ``scope["app"].router`` with Starlette's public ``matches`` protocol,
     into Mounts and FastAPI's nested included routers. Only a full match counts:
-    a 404 or 405 passes through unguarded because no handler runs.
+    a 404 or 405 passes through unguarded because no handler runs. Answers are
+    cached per router, method and path (at most ``maxsize``, then the cache starts
+    over), and dropped when the router's route list changes length; apps with
+    Host routes are resolved afresh every time.
     """
-    from starlette.routing import Match, Mount
 
-    app = scope.get("app")
-    router = getattr(app, "router", None)
+    def __init__(self, maxsize: int = 4096) -> None:
+        self.maxsize = maxsize
+        self._answers: dict[tuple[int, int, str, str, str], ResolvedRoute | None] = {}
+        # id(routes list) -> (the list, its length then, the flattened routes)
+        self._flat: dict[int, tuple[list[Any], int, list[Any]]] = {}
+
+    def _expand(self, routes: list[Any]) -> list[Any]:
+        cached = self._flat.get(id(routes))
+        if cached is not None and cached[0] is routes and cached[1] == len(routes):
+            return cached[2]
+        flat = _expand(routes)
+        self._flat[id(routes)] = (routes, len(routes), flat)
+        return flat
+
+    def __call__(self, scope: Scope) -> ResolvedRoute | None:
+        router = getattr(scope.get("app"), "router", None)
+        if router is None:
+            return None
+        routes = getattr(router, "routes", [])
+        key = (id(router), len(routes), scope["method"], scope.get("root_path", ""), scope["path"])
+        try:
+            return self._answers[key]
+        except KeyError:
+            pass
+        walk = _Walk(self._expand)
+        found = walk(list(routes), dict(scope), "")
+        if walk.cacheable:
+            if len(self._answers) >= self.maxsize:
+                self._answers.clear()
+            self._answers[key] = found
+        return found
+
+
+def resolve_route(scope: Scope) -> ResolvedRoute | None:
+    """The route the app's own router would run for ``scope``, or ``None`` (uncached)."""
+    router = getattr(scope.get("app"), "router", None)
     if router is None:
         return None
-    return _walk(getattr(router, "routes", ()), dict(scope), "", Match, Mount)
-
-
-def _walk(
-    routes: Iterable[Any], scope: dict[str, Any], prefix: str, Match: Any, Mount: Any
-) -> ResolvedRoute | None:
-    for route in _expand(routes):
-        try:
-            match, child = route.matches(scope)
-        except (AttributeError, NotImplementedError, KeyError):
-            continue
-        if match is not Match.FULL:
-            continue
-        original = getattr(route, "original_route", route)
-        if isinstance(original, Mount):
-            sub = {**scope, **child}
-            found = _walk(original.routes, sub, prefix + original.path, Match, Mount)
-            if found is not None:
-                return found
-            continue
-        template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
-        return ResolvedRoute(
-            prefix + template, child.get("endpoint", getattr(route, "endpoint", None))
-        )
-    return None
+    return _Walk(_expand)(list(getattr(router, "routes", [])), dict(scope), "")
 
 
 def iter_endpoint_policies(app: Any) -> list[Policy]:
     """Every ``@idempotent`` policy on an endpoint the app's router can reach."""
-    from starlette.routing import Mount
-
     found: list[Policy] = []
 
     def walk(routes: Iterable[Any]) -> None:
         for route in _expand(routes):
             original = getattr(route, "original_route", route)
-            if isinstance(original, Mount):
+            if isinstance(original, (Mount, Host)):
                 walk(original.routes)
                 continue
             policy = policy_of(getattr(route, "endpoint", None))
