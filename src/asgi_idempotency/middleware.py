@@ -130,6 +130,7 @@ class IdempotencyMiddleware:
         self.retry_after = retry_after
         self.prune_interval = prune_interval
         self._resolve = RouteResolver()
+        self._store_never_suspends = bool(getattr(store, "never_suspends", False))
         # Completions and releases outlive a cancelled request; keep them referenced.
         self._background: set[asyncio.Task[Any]] = set()
         self.check_policies()
@@ -217,6 +218,16 @@ class IdempotencyMiddleware:
     def _observe(self, route: str, outcome: Outcome) -> None:
         if self.metrics is not None:
             self.metrics.observe(route, outcome)
+
+    async def _store_call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """A completion or release: shielded, unless the store can never be interrupted.
+
+        A store whose methods never suspend (``MemoryStore``) cannot be cancelled
+        half-way, so it is spared the task and the extra loop turns a shield costs.
+        """
+        if self._store_never_suspends:
+            return await coro
+        return await self._shielded(coro)
 
     async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled meanwhile."""
@@ -557,7 +568,7 @@ class _Guard:
         stored = StoredResponse(status, storable_headers(headers), body)
         expires_at = self.mw.clock() + self.policy.ttl
         try:
-            owned = await self.mw._shielded(
+            owned = await self.mw._store_call(
                 self.mw.store.complete(self.key, token, stored, expires_at=expires_at)
             )
         except StoreError as exc:
@@ -573,7 +584,7 @@ class _Guard:
     async def _release(self, token: str) -> None:
         self.mw._observe(self.route, Outcome.RELEASED)
         try:
-            await self.mw._shielded(self.mw.store.release(self.key, token))
+            await self.mw._store_call(self.mw.store.release(self.key, token))
         except StoreError as exc:
             self._log(
                 logging.ERROR, "idempotency.store_error", phase="release", error=type(exc).__name__
