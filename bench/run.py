@@ -1,4 +1,4 @@
-"""The idempotency benchmark: one command, ``python bench/run.py`` (see "Performance" in the README).
+"""The idempotency benchmark: one command, ``python bench/run.py`` (README: "Performance").
 
 Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
 one worker, loopback) in every variant at once, then drives them with wrk in
