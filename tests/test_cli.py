@@ -375,6 +375,20 @@ def test_demo_returns_the_demos_code(
         assert run(capsys, "demo")[0] == code
 
 
+@pytest.mark.slow
+def test_demo_plays_the_incident_for_real(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo")
+    assert code == Exit.OK
+    assert "With asgi-idempotency: 1 refund. Without: 2 refunds." in out
+    assert "(replayed)" in out
+
+
+def test_kill_after_write_demo_needs_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "demo", "--kill-after-write", "--database-url", "sqlite:///x.db")
+    assert code == Exit.USAGE
+    assert "needs a Postgres" in err
+
+
 def test_internal_errors_exit_70(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -328,11 +328,35 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
-    # The demo brings its own throwaway SQLite databases; it needs no URL.
+    if args.kill_after_write:
+        return _kill_demo(_require_url(args), out)
+    # The incident demo brings its own throwaway SQLite databases; it needs no URL.
     from .demo import run_demo
 
     code = asyncio.run(run_demo())
     return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
+
+
+def _kill_demo(url: str, out: TextIO) -> Exit:
+    from .demo import kill_after_write
+
+    if not url.startswith("postgresql"):
+        raise CLIError(Exit.USAGE, "--kill-after-write needs a Postgres --database-url")
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    async def both() -> tuple[tuple[int, int], tuple[int, int]]:
+        default = await kill_after_write(url, transactional=False, say=say)
+        say("")
+        return default, await kill_after_write(url, transactional=True, say=say)
+
+    default, transactional = asyncio.run(both())
+    say(
+        f"\nDefault mode: {default[1]} refunds (the crash left one, the retry made another). "
+        f"Transactional mode: {transactional[1]} refund."
+    )
+    return Exit.OK if (default, transactional) == ((1, 2), (0, 1)) else Exit.NOT_FOUND
 
 
 def _require_url(args: argparse.Namespace) -> str:
@@ -424,7 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="replay the refund incident with and without the guard (throwaway SQLite files)",
-        description="Exit code 0 when the guarded run made 1 refund and the unguarded 2, else 1.",
+        description=(
+            "Exit code 0 when the guarded run made 1 refund and the unguarded 2, else 1. "
+            "With --kill-after-write (Postgres): a worker SIGKILLed after writing a refund, "
+            "in the default and the transactional mode; 0 when they end with 2 and 1 refunds."
+        ),
+    )
+    p.add_argument("--database-url", default=None, help="Postgres, for --kill-after-write")
+    p.add_argument(
+        "--kill-after-write",
+        action="store_true",
+        help="crash a worker between its write and its answer, in both modes (needs Postgres)",
     )
     p.set_defaults(func=cmd_demo)
     return parser
