@@ -15,7 +15,6 @@ from .asgi import Scope
 __all__ = [
     "Policy",
     "ResolvedRoute",
-    "RouteResolver",
     "has_router",
     "idempotent",
     "iter_endpoint_policies",
