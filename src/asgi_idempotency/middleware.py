@@ -130,7 +130,6 @@ class IdempotencyMiddleware:
         self.retry_after = retry_after
         self.prune_interval = prune_interval
         self._resolve = RouteResolver()
-        self._store_never_suspends = bool(getattr(store, "never_suspends", False))
         # Completions and releases outlive a cancelled request; keep them referenced.
         self._background: set[asyncio.Task[Any]] = set()
         self.check_policies()
@@ -219,15 +218,25 @@ class IdempotencyMiddleware:
         if self.metrics is not None:
             self.metrics.observe(route, outcome)
 
-    async def _store_call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """A completion or release: shielded, unless the store can never be interrupted.
+    async def _store_call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run a completion or release to the end, even if this request is cancelled.
 
-        A store whose methods never suspend (``MemoryStore``) cannot be cancelled
-        half-way, so it is spared the task and the extra loop turns a shield costs.
+        Awaited directly: no task and no extra loop turns on the common path. If a
+        cancellation interrupts it, the same statement runs again in a task of its
+        own; both are fenced by the claim's token, so a second run changes nothing
+        a first one that did land had not already done.
         """
-        if self._store_never_suspends:
-            return await coro
-        return await self._shielded(coro)
+        try:
+            return await make()
+        except asyncio.CancelledError:
+            self._finish_in_background(make())
+            raise
+
+    def _finish_in_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_background_failure)
 
     async def _shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled meanwhile."""
@@ -569,7 +578,7 @@ class _Guard:
         expires_at = self.mw.clock() + self.policy.ttl
         try:
             owned = await self.mw._store_call(
-                self.mw.store.complete(self.key, token, stored, expires_at=expires_at)
+                lambda: self.mw.store.complete(self.key, token, stored, expires_at=expires_at)
             )
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
@@ -584,11 +593,20 @@ class _Guard:
     async def _release(self, token: str) -> None:
         self.mw._observe(self.route, Outcome.RELEASED)
         try:
-            await self.mw._store_call(self.mw.store.release(self.key, token))
+            await self.mw._store_call(lambda: self.mw.store.release(self.key, token))
         except StoreError as exc:
             self._log(
                 logging.ERROR, "idempotency.store_error", phase="release", error=type(exc).__name__
             )
+
+
+def _log_background_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error(
+            "idempotency.store_error",
+            extra={"event": "idempotency.store_error", "phase": "background",
+                   "error": type(task.exception()).__name__},
+        )  # fmt: skip
 
 
 def _replay_body(body: bytes, receive: Receive) -> Receive:

@@ -16,10 +16,6 @@ class MemoryStore:
     Not shared between processes: with several workers use :class:`SQLStore`.
     """
 
-    # No method awaits anything, so no call can be cancelled half-way: the middleware
-    # need not shield completions with a task of their own.
-    never_suspends = True
-
     def __init__(self) -> None:
         self._rows: dict[str, Record] = {}
 
