@@ -14,6 +14,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ class PgServer:
     user: str
     password: str | None
 
+    @contextmanager
+    def database(self, prefix: str) -> Iterator[str]:
+        """An empty database of its own on this server, dropped afterwards; yields its URL."""
+        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        with DatabaseJanitor(
+            user=self.user, host=self.host, port=self.port, dbname=dbname, password=self.password
+        ):
+            yield self.url(dbname)
+
     def url(self, dbname: str) -> str:
         auth = self.user if not self.password else f"{self.user}:{self.password}"
         return f"postgresql+asyncpg://{auth}@{self.host}:{self.port}/{dbname}"
@@ -101,15 +111,7 @@ def pg_server(request: pytest.FixtureRequest) -> PgServer:
 @pytest.fixture(scope="session")
 def pg_url(pg_server: PgServer) -> Iterator[str]:
     """A ``postgresql+asyncpg`` URL of a database created for this test run, with the schema."""
-    dbname = f"idem_test_{uuid.uuid4().hex[:12]}"
-    with DatabaseJanitor(
-        user=pg_server.user,
-        host=pg_server.host,
-        port=pg_server.port,
-        dbname=dbname,
-        password=pg_server.password,
-    ):
-        url = pg_server.url(dbname)
+    with pg_server.database("idem_test") as url:
         _prepare(url)
         yield url
 

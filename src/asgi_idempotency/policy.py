@@ -18,7 +18,6 @@ __all__ = [
     "has_router",
     "idempotent",
     "iter_endpoint_policies",
-    "resolve_route",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -204,14 +203,6 @@ class RouteResolver:
                 self._answers.clear()
             self._answers[key] = found
         return found
-
-
-def resolve_route(scope: Scope) -> ResolvedRoute | None:
-    """The route the app's own router would run for ``scope``, or ``None`` (uncached)."""
-    router = getattr(scope.get("app"), "router", None)
-    if router is None:
-        return None
-    return _Walk(_expand)(list(getattr(router, "routes", [])), dict(scope), "")
 
 
 def iter_endpoint_policies(app: Any) -> list[Policy]:

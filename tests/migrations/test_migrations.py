@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,6 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -28,15 +26,8 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite+aiosqlite:///{tmp_path / 'migrated.db'}"
         return
     server: PgServer = request.getfixturevalue("pg_server")
-    dbname = f"idem_mig_{uuid.uuid4().hex[:12]}"
-    with DatabaseJanitor(
-        user=server.user,
-        host=server.host,
-        port=server.port,
-        dbname=dbname,
-        password=server.password,
-    ):
-        yield server.url(dbname)
+    with server.database("idem_mig") as url:
+        yield url
 
 
 def _inspect(url: str, fn: Any) -> Any:
