@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from asgi_idempotency import Policy, SQLStore
+from asgi_idempotency.middleware import storable_headers
 from asgi_idempotency.stores.base import Store
 
 pytestmark = pytest.mark.anyio
@@ -137,6 +138,21 @@ async def test_set_cookie_and_date_are_never_replayed(store: Store, tiny: Any) -
     assert second.headers["idempotent-replayed"] == "true"
     assert "set-cookie" not in second.headers
     assert second.json() == {"n": 1}
+
+
+def test_hop_by_hop_headers_and_those_connection_names_are_not_stored() -> None:
+    sent = [
+        (b"Content-Type", b"application/json"),
+        (b"Connection", b"close, X-Trace-Hop"),
+        (b"x-trace-hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"Date", b"Wed, 02 Dec 2026 16:00:00 GMT"),
+        (b"X-Request-Id", b"r-1"),
+        (b"set-cookie", b"s=1"),
+    ]
+    json_type = (b"Content-Type", b"application/json")
+    assert storable_headers(sent) == (json_type, (b"X-Request-Id", b"r-1"))
+    assert storable_headers(sent[:1]) == (json_type,)
 
 
 async def test_required_key_missing_is_400(store: Store, tiny: Any) -> None:

@@ -8,6 +8,7 @@ derives a different key. Deliberately free of server imports.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
@@ -19,6 +20,10 @@ __all__ = ["CanonicalJSONError", "canonical_json", "canonicalize_json_bytes"]
 # Integral floats become ints only inside the range where a float is exact; past it,
 # 4.5e300 stays a float rather than inventing digits the sender never wrote.
 _EXACT_INT = 2**53
+# orjson parses a number as float only when it has a fraction or an exponent, or when
+# it lies outside 64-bit range (and so above 2**53). A body with no digit followed by
+# ".", "e" or "E" therefore holds no float that _normalize would turn into an int.
+_MAYBE_INTEGRAL_FLOAT = re.compile(rb"[0-9][.eE]")
 
 
 class CanonicalJSONError(ValueError):
@@ -95,17 +100,34 @@ def canonical_json(value: Any) -> bytes:
         raise CanonicalJSONError(str(exc)) from exc
 
 
+def _integral_floats_to_int(value: Any) -> Any:
+    # _normalize for what orjson.loads returns (dict, list, str, int, float, bool, None),
+    # where only floats can change.
+    kind = type(value)
+    if kind is float:
+        return int(value) if value.is_integer() and abs(value) < _EXACT_INT else value
+    if kind is dict:
+        return {k: _integral_floats_to_int(v) for k, v in value.items()}
+    if kind is list:
+        return [_integral_floats_to_int(v) for v in value]
+    return value
+
+
 def canonicalize_json_bytes(body: bytes) -> bytes | None:
     """Canonical form of a JSON document, or ``None`` when ``body`` is not valid JSON.
 
     Invalid, non-UTF-8 or too deeply nested documents return ``None`` so the caller
-    fingerprints the raw bytes and lets the handler answer with its own 4xx.
+    fingerprints the raw bytes and lets the handler answer with its own 4xx. Gives
+    the same bytes as :func:`canonical_json` of the parsed document, faster: this
+    runs on every guarded request.
     """
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
     try:
-        return canonical_json(parsed)
-    except (CanonicalJSONError, orjson.JSONEncodeError, RecursionError):
+        if _MAYBE_INTEGRAL_FLOAT.search(body) is not None:
+            parsed = _integral_floats_to_int(parsed)
+        return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, RecursionError):
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = [
 
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
+# The common case in one C call: a bare token of visible ASCII, optional spaces or tabs around.
+_BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
 
 # The principal a record belongs to; None or "" means anonymous. Sync or async.
 PrincipalFunc = Callable[[Scope], "Awaitable[str | None] | str | None"]
@@ -36,6 +39,9 @@ def parse_key(raw: bytes) -> str:
     Raises:
         InvalidKey: empty, too long, or outside printable ASCII.
     """
+    bare = _BARE_TOKEN.fullmatch(raw)
+    if bare is not None and raw[bare.start(1)] != 0x22:  # a leading quote is the quoted form
+        return bare.group(1).decode("ascii")
     value = raw.strip(b" \t")
     if not value:
         raise InvalidKey(
@@ -79,23 +85,6 @@ def _parse_sf_string(value: bytes) -> str:
     raise InvalidKey('The quoted Idempotency-Key is not a valid string, e.g. "order-42".')
 
 
-def find_key_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The single raw ``Idempotency-Key`` value, or ``None`` when absent.
-
-    Raises:
-        InvalidKey: the header was sent more than once (which key was meant is unknowable).
-    """
-    found: bytes | None = None
-    for name, value in headers:
-        if name.lower() == HEADER:
-            if found is not None:
-                raise InvalidKey(
-                    "Send the Idempotency-Key header once; it was sent more than once."
-                )
-            found = value
-    return found
-
-
 def default_principal(scope: Scope) -> str | None:
     """Starlette's authenticated user's identity, when authentication middleware ran."""
     user: Any = scope.get("user")
@@ -109,6 +98,8 @@ def default_principal(scope: Scope) -> str | None:
 
 async def resolve_principal(func: PrincipalFunc, scope: Scope) -> str:
     principal = func(scope)
+    if principal is None or type(principal) is str:
+        return principal or ""
     if inspect.isawaitable(principal):
         principal = await principal
     return principal or ""

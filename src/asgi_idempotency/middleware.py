@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 from .asgi import ASGIApp, Headers, Message, Receive, Scope, Send, send_response
 from .fingerprint import fingerprint
 from .keys import (
+    HEADER,
     PrincipalFunc,
     default_principal,
-    find_key_header,
     parse_key,
     resolve_principal,
     scoped_key,
@@ -29,6 +29,7 @@ from .policy import Policy, RouteResolver, has_router, iter_endpoint_policies, l
 from .problems import (
     BodyTooLarge,
     IdempotencyError,
+    InvalidKey,
     KeyMismatch,
     MissingKey,
     RequestInProgress,
@@ -70,12 +71,18 @@ def _utcnow() -> datetime:
 
 def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
     """The response headers that may be replayed to a later request with the same key."""
-    headers = list(headers)
-    dropped = set(_UNSTORED)
+    kept: list[tuple[bytes, bytes]] = []
+    named: set[bytes] = set()
     for name, value in headers:
-        if name.lower() == b"connection":  # headers the Connection header names are hop-by-hop too
-            dropped.update(v.strip().lower() for v in value.split(b","))
-    return tuple((n, v) for n, v in headers if n.lower() not in dropped)
+        lowered = name.lower()
+        if lowered in _UNSTORED:
+            if lowered == b"connection":  # the headers it names are hop-by-hop too
+                named.update(v.strip().lower() for v in value.split(b","))
+            continue
+        kept.append((name, value))
+    if named:
+        return tuple((n, v) for n, v in kept if n.lower() not in named)
+    return tuple(kept)
 
 
 class IdempotencyMiddleware:
@@ -261,6 +268,8 @@ class _Guard:
         self.mw, self.policy, self.route = mw, policy, route
         self.scope, self.receive, self.send = scope, receive, send
         self.key = ""
+        # The lease renewal: a timer until the first renewal is due, then a task.
+        self._renewal: asyncio.TimerHandle | asyncio.Task[None] | None = None
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
         # Digests only: the scoped key is already a sha256 of (principal, key).
@@ -277,7 +286,7 @@ class _Guard:
     async def run(self) -> None:
         scope, policy = self.scope, self.policy
         try:
-            raw_key = find_key_header(scope["headers"])
+            raw_key, content_type, declared_length = _guard_headers(scope["headers"])
             if raw_key is None:
                 if policy.required:
                     raise MissingKey(
@@ -295,17 +304,15 @@ class _Guard:
             await self._reject(exc, Outcome.INVALID_KEY)
             return
         try:
-            body = await self._read_body()
+            body = await self._read_body(declared_length)
         except BodyTooLarge as exc:
             await self._reject(exc, Outcome.TOO_LARGE)
             return
         if body is None:
             return  # the client left while sending its body: nothing ran, nothing to answer
 
-        headers: Headers = scope["headers"]
-        content_type = next((v for n, v in headers if n.lower() == b"content-type"), None)
         chosen = (
-            [(n.lower(), v) for n, v in headers if n.lower() in policy.header_names]
+            [(n.lower(), v) for n, v in scope["headers"] if n.lower() in policy.header_names]
             if policy.header_names
             else ()
         )
@@ -324,29 +331,31 @@ class _Guard:
         else:
             await self._claim_and_run(body, request_hash)
 
-    async def _read_body(self) -> bytes | None:
+    async def _read_body(self, declared_length: bytes | None) -> bytes | None:
         limit = self.policy.max_body_bytes
-        for name, value in self.scope["headers"]:
-            if name.lower() == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared > limit:
-                    raise BodyTooLarge(self._too_large_detail())
+        if declared_length is not None:
+            try:
+                declared = int(declared_length)
+            except ValueError:
+                declared = -1  # the server has framed the body anyway; the count below decides
+            if declared > limit:
+                raise BodyTooLarge(self._too_large_detail())
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
                 return None
-            chunk = message.get("body", b"")
+            chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge(self._too_large_detail())
-            chunks.append(chunk)
             if not message.get("more_body", False):
+                if not chunks:
+                    return chunk  # the whole body in one message, as small bodies come
+                chunks.append(chunk)
                 return b"".join(chunks)
+            chunks.append(chunk)
 
     def _too_large_detail(self) -> str:
         return f"The request body exceeds {self.policy.max_body_bytes} bytes for this endpoint."
@@ -454,22 +463,54 @@ class _Guard:
         await self.send(start)
         await self.send({"type": "http.response.body", "body": content, "more_body": False})
 
-    async def _execute(self, body: bytes, token: str) -> None:
+    def _renew_lease_while_running(self, token: str) -> None:
+        """Renew the claim's lease every third of the lease until stopped.
+
+        A timer, not a task, until the first renewal is due, so a handler that
+        finishes within a third of the lease costs no renewal statement and no task.
+        """
+        loop = asyncio.get_running_loop()
+        self._renewal = loop.call_later(self.policy.renew_every, self._start_renewing, token)
+
+    def _start_renewing(self, token: str) -> None:
+        self._renewal = asyncio.ensure_future(self._renew(token))
+
+    async def _renew(self, token: str) -> None:
         mw, policy = self.mw, self.policy
-        renewal = _LeaseRenewal(mw, self.key, token, policy)
+        while True:
+            try:
+                owned = await mw.store.renew(
+                    self.key, token, locked_until=mw.clock() + policy.lease
+                )
+            except StoreError as exc:
+                owned = True  # transient; the next tick tries again before the lease ends
+                self._log(logging.WARNING, "idempotency.renew_failed", error=type(exc).__name__)
+            if not owned:
+                self._log(logging.ERROR, "idempotency.claim_lost", phase="renew")
+                return
+            await asyncio.sleep(policy.renew_every)
+
+    def _stop_renewing(self) -> None:
+        if self._renewal is not None:
+            self._renewal.cancel()
+            self._renewal = None
+
+    async def _execute(self, body: bytes, token: str) -> None:
+        mw = self.mw
+        self._renew_lease_while_running(token)
         try:
             start, content = await self._run_captured(body)
         except asyncio.CancelledError:
             # Cancelled part-way: the effect may or may not have happened, so the
             # claim stays in progress until its lease ends rather than inviting a rerun.
-            renewal.stop()
+            self._stop_renewing()
             self._log(logging.WARNING, "idempotency.cancelled")
             raise
         except BaseException:
-            renewal.stop()
+            self._stop_renewing()
             await self._release(token)
             raise
-        renewal.stop()
+        self._stop_renewing()
 
         status: int = start["status"]
         if status >= 500 or status in RELEASED_STATUSES:
@@ -600,6 +641,29 @@ class _Guard:
             )
 
 
+def _guard_headers(headers: Headers) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The raw ``Idempotency-Key``, ``Content-Type`` and ``Content-Length``, in one pass.
+
+    Raises:
+        InvalidKey: the key header was sent more than once (which key was meant is unknowable).
+    """
+    key = content_type = content_length = None
+    for name, value in headers:
+        name = name.lower()
+        if name == HEADER:
+            if key is not None:
+                raise InvalidKey(
+                    "Send the Idempotency-Key header once; it was sent more than once."
+                )
+            key = value
+        elif name == b"content-type":
+            if content_type is None:
+                content_type = value
+        elif name == b"content-length":
+            content_length = value
+    return key, content_type, content_length
+
+
 def _log_background_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error(
@@ -624,42 +688,3 @@ def _replay_body(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
-
-class _LeaseRenewal:
-    """Renews a claim's lease every third of the lease while its handler runs.
-
-    A timer, not a task, until the first renewal is due, so a handler that finishes
-    within a third of the lease costs no renewal statement and no extra task.
-    """
-
-    def __init__(self, mw: IdempotencyMiddleware, key: str, token: str, policy: Policy) -> None:
-        self.mw, self.key, self.token, self.policy = mw, key, token, policy
-        self.interval = policy.lease.total_seconds() / 3
-        loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = loop.call_later(self.interval, self._spawn)
-        self._task: asyncio.Task[None] | None = None
-
-    def _spawn(self) -> None:
-        self._timer = None
-        self._task = asyncio.ensure_future(self._loop())
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                owned = await self.mw.store.renew(
-                    self.key, self.token, locked_until=self.mw.clock() + self.policy.lease
-                )
-            except StoreError:
-                owned = True  # transient; the next tick tries again before the lease ends
-                logger.warning("idempotency.renew_failed", extra={"key_digest": self.key[:16]})
-            if not owned:
-                logger.error("idempotency.claim_lost", extra={"key_digest": self.key[:16]})
-                return
-            await asyncio.sleep(self.interval)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()

@@ -51,6 +51,7 @@ class Policy:
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
+    _renew_every: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.ttl <= timedelta(0) or self.lease <= timedelta(0):
@@ -61,10 +62,16 @@ class Policy:
             raise ValueError("max_body_bytes must be >= 0")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
         object.__setattr__(self, "_header_names", names)
+        object.__setattr__(self, "_renew_every", self.lease.total_seconds() / 3)
 
     @property
     def header_names(self) -> frozenset[bytes]:
         return self._header_names
+
+    @property
+    def renew_every(self) -> float:
+        """Seconds between lease renewals while the handler runs: a third of the lease."""
+        return self._renew_every
 
 
 def idempotent(

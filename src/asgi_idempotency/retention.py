@@ -122,8 +122,7 @@ async def count_expired(store: Store, *, now: datetime | None = None) -> int:
     """
     cutoff = _utcnow() if now is None else now
     if isinstance(store, MemoryStore):
-        # The memory store has no query surface of its own; reading its dict is exact.
-        return sum(1 for r in store._rows.values() if r.expires_at <= cutoff)
+        return store.count_expired(now=cutoff)
     if isinstance(store, SQLStore):
         query = select(func.count()).select_from(records).where(records.c.expires_at <= cutoff)
         try:

@@ -68,6 +68,11 @@ class Claim:
         return self.outcome in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER)
 
 
+# The two answers that carry no row, shared: claims are frozen, and the hot path is hot.
+CLAIMED = Claim(ClaimOutcome.CLAIMED)
+TAKEN_OVER = Claim(ClaimOutcome.TAKEN_OVER)
+
+
 def decide(existing: Record, request_hash: str, now: datetime) -> ClaimOutcome:
     """What an existing, unexpired row means for a new request with ``request_hash``.
 

@@ -65,7 +65,17 @@ from sqlalchemy.sql.elements import ColumnClause
 # async pool runs through it; without it there is no public async check-in.
 from sqlalchemy.util import greenlet_spawn
 
-from .base import Claim, ClaimOutcome, Record, RecordStatus, StoredResponse, StoreError, decide
+from .base import (
+    CLAIMED,
+    TAKEN_OVER,
+    Claim,
+    ClaimOutcome,
+    Record,
+    RecordStatus,
+    StoredResponse,
+    StoreError,
+    decide,
+)
 from .schema import UTCDateTime, metadata, records
 
 __all__ = ["SQLStore"]
@@ -646,7 +656,7 @@ class SQLStore:
         for _ in range(_CLAIM_ATTEMPTS):
             inserted, row = await self._driver.claim(values)
             if inserted:
-                return Claim(ClaimOutcome.CLAIMED)
+                return CLAIMED
             if row is None:
                 continue  # the row in the way vanished or is not yet visible: ask again
             existing = _to_record(key, row)
@@ -655,7 +665,7 @@ class SQLStore:
             if outcome is not ClaimOutcome.TAKEN_OVER:
                 return Claim(outcome, existing)
             if await self._driver.rowcount("take_over", {**values, "old_token": existing.token}):
-                return Claim(ClaimOutcome.CLAIMED if expired else ClaimOutcome.TAKEN_OVER)
+                return CLAIMED if expired else TAKEN_OVER
         raise StoreError(f"claim did not settle after {_CLAIM_ATTEMPTS} attempts")
 
     async def complete(

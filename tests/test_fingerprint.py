@@ -1,0 +1,82 @@
+"""The request fingerprint and the canonical JSON it hashes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from asgi_idempotency.canonical import canonical_json, canonicalize_json_bytes
+from asgi_idempotency.fingerprint import fingerprint
+
+JSON = b"application/json"
+
+# JSON values as a client might build them; numbers span ints past 64 bits and floats
+# that are integral, fractional, huge and tiny.
+numbers = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(min_value=-(2**60), max_value=2**60).map(float),
+)
+values = st.recursive(
+    st.none() | st.booleans() | numbers | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+def _spellings(value: Any) -> list[bytes]:
+    """The same document written four ways: compact, indented, with exponents (e, E)."""
+    compact = json.dumps(value, separators=(",", ":")).encode()  # ints past 64 bits too
+    spaced = json.dumps(value, indent=2).encode()
+    exponent = compact.replace(b".0,", b"e0,").replace(b".0}", b"e0}").replace(b".0]", b"e0]")
+    return [compact, spaced, exponent, exponent.replace(b"e0", b"E0")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=values)
+@example(value={"amount": 4500.0, "currency": "EUR"})
+@example(value={"amount": 4500, "currency": "EUR"})
+@example(value=[2.0**53, 2.0**53 - 1, -(2.0**53) + 1, 1e300, 123456789012345678901234567890])
+@example(value={"v": "2.0", "n": 1e2})
+def test_bytes_canonicalise_as_the_parsed_value_does(value: Any) -> None:
+    for raw in _spellings(value):
+        parsed = orjson.loads(raw)
+        assert canonicalize_json_bytes(raw) == canonical_json(parsed), raw
+
+
+def test_integral_floats_and_ints_give_one_fingerprint() -> None:
+    spellings = [
+        b'{"amount": 4500, "currency": "EUR"}',
+        b'{"currency":"EUR","amount":4500.0}',
+        b'{"currency":"EUR","amount":4.5e3}',
+        b'{"currency":"EUR","amount":45E2}',
+    ]
+    prints = {fingerprint("POST", "/pay", b"", raw, content_type=JSON) for raw in spellings}
+    assert len(prints) == 1
+
+
+def test_a_changed_amount_changes_the_fingerprint() -> None:
+    a = fingerprint("POST", "/pay", b"", b'{"amount": 4500}', content_type=JSON)
+    b = fingerprint("POST", "/pay", b"", b'{"amount": 4500.5}', content_type=JSON)
+    c = fingerprint("POST", "/pay", b"", b'{"amount": "4500"}', content_type=JSON)
+    assert len({a, b, c}) == 3
+
+
+def test_invalid_json_is_hashed_as_sent() -> None:
+    assert canonicalize_json_bytes(b'{"amount": 4500') is None
+    assert canonicalize_json_bytes(b"[" * 2000 + b"]" * 2000) is None  # deeper than orjson allows
+    a = fingerprint("POST", "/pay", b"", b'{"amount": 4500', content_type=JSON)
+    b = fingerprint("POST", "/pay", b"", b'{"amount":4500', content_type=JSON)
+    assert a != b
+
+
+def test_query_order_does_not_matter_but_values_do() -> None:
+    base = fingerprint("POST", "/pay", b"a=1&b=2", b"")
+    assert fingerprint("POST", "/pay", b"b=2&a=1", b"") == base
+    assert fingerprint("POST", "/pay", b"a=1&b=3", b"") != base
