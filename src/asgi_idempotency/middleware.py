@@ -272,6 +272,8 @@ class _Guard:
         self._renewal: asyncio.TimerHandle | asyncio.Task[None] | None = None
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
+        if not logger.isEnabledFor(level):
+            return  # replays log at INFO: skip building the record when nobody listens
         # Digests only: the scoped key is already a sha256 of (principal, key).
         logger.log(
             level,

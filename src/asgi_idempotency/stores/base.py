@@ -27,7 +27,11 @@ class RecordStatus(enum.StrEnum):
     COMPLETED = "completed"
 
 
-@dataclass(frozen=True, slots=True)
+# Records and responses are values: treat them as read-only. They are not frozen because
+# a frozen dataclass's __init__ costs several times more, and every replay builds both.
+
+
+@dataclass(slots=True)
 class StoredResponse:
     """A captured response: replayed byte for byte."""
 
@@ -36,7 +40,7 @@ class StoredResponse:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
     """One row of ``idempotency_records``."""
 
