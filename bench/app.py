@@ -6,7 +6,9 @@
 - ``pg`` / ``sqlite`` / ``memory``: :class:`IdempotencyMiddleware` on that store;
 - ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
   one statement for a replay, 409 or 422, two for a first request, nothing else;
-- ``floor_sqlite``: the same guard on one raw aiosqlite connection.
+- ``floor_sqlite``: the same guard on one raw aiosqlite connection;
+- ``floor_memory``: the same guard on a dict: what any guard that buffers and
+  captures costs in front of this handler, with no store I/O at all.
 
 The handler does no I/O of its own, so the guard's cost is what the numbers show.
 ``BENCH_PG_URL`` (``postgresql://…``) and ``BENCH_SQLITE_PATH`` say where the stores live.
@@ -172,6 +174,29 @@ class _SQLiteBackend:
         )
 
 
+class _DictBackend:
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[Any, ...]] = {}
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        row = self.rows.get(key)
+        if row is not None:
+            return (False, *row)
+        self.rows[key] = (h, "in_progress", None, None, None)
+        return (True,)
+
+    async def complete(
+        self, key: str, token: str, status: int, headers: bytes, body: bytes
+    ) -> None:
+        self.rows[key] = (self.rows[key][0], "completed", status, headers, body)
+
+
 def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     return status, [(b"content-type", b"application/problem+json")], b'{"status":%d}' % status
 
@@ -179,7 +204,7 @@ def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
 class FloorGuard:
     """Claim, run, complete; replay, 409 or 422 from the claim's row. Nothing else."""
 
-    def __init__(self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend) -> None:
+    def __init__(self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend | _DictBackend) -> None:
         self.app, self.backend = app, backend
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -268,12 +293,14 @@ def create() -> Starlette:
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )
-    elif variant in ("floor_pg", "floor_sqlite"):
-        backend: _PgBackend | _SQLiteBackend = (
-            _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
-            if variant == "floor_pg"
-            else _SQLiteBackend(sqlite_path)
-        )
+    elif variant in ("floor_pg", "floor_sqlite", "floor_memory"):
+        backend: _PgBackend | _SQLiteBackend | _DictBackend
+        if variant == "floor_pg":
+            backend = _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
+        elif variant == "floor_sqlite":
+            backend = _SQLiteBackend(sqlite_path)
+        else:
+            backend = _DictBackend()
         starters.append(backend.start)
         closers.append(backend.stop)
         middleware.append(Middleware(FloorGuard, backend=backend))

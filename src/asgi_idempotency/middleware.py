@@ -11,7 +11,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
 from .asgi import ASGIApp, Headers, Message, Receive, Scope, Send, send_response
@@ -35,7 +35,15 @@ from .problems import (
     RequestInProgress,
     StoreUnavailable,
 )
-from .stores.base import Claim, ClaimOutcome, Store, StoredResponse, StoreError, decide
+from .stores.base import (
+    Claim,
+    ClaimOutcome,
+    Store,
+    StoredResponse,
+    StoreError,
+    decide,
+    utcnow,
+)
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -63,10 +71,6 @@ _UNSTORED = frozenset(
     }
 )
 _REPLAYED = (b"idempotent-replayed", b"true")
-
-
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
@@ -121,7 +125,7 @@ class IdempotencyMiddleware:
         principal: PrincipalFunc = default_principal,
         fail_open: bool = False,
         metrics: MetricsSink | None = None,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
         retry_after: float = 1.0,
         prune_interval: float | None = None,
     ) -> None:

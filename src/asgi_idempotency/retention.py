@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from types import TracebackType
 from typing import Any
 
@@ -33,7 +33,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .stores.base import RecordStatus, Store, StoreError
+from .stores.base import RecordStatus, Store, StoreError, utcnow
 from .stores.memory import MemoryStore
 from .stores.schema import records
 from .stores.sql import SQLStore
@@ -54,10 +54,6 @@ logger = logging.getLogger("asgi_idempotency")
 ProgressFunc = Callable[[int, int], None]
 
 _DB_ERRORS = (SQLAlchemyError, OSError, TimeoutError)
-
-
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 async def prune_all(
@@ -95,7 +91,7 @@ async def prune_all(
     """
     if batch_size < 1 or max_batches < 1:
         raise ValueError("batch_size and max_batches must be at least 1")
-    cutoff = _utcnow() if now is None else now
+    cutoff = utcnow() if now is None else now
     if dry_run:
         return await count_expired(store, now=cutoff)
     done = 0
@@ -120,7 +116,7 @@ async def count_expired(store: Store, *, now: datetime | None = None) -> int:
         StoreError: the store failed.
         TypeError: ``store`` is neither :class:`SQLStore` nor :class:`MemoryStore`.
     """
-    cutoff = _utcnow() if now is None else now
+    cutoff = utcnow() if now is None else now
     if isinstance(store, MemoryStore):
         return store.count_expired(now=cutoff)
     if isinstance(store, SQLStore):
@@ -161,7 +157,7 @@ async def table_stats(store: SQLStore, *, now: datetime | None = None) -> TableS
     Raises:
         StoreError: the store failed (unreachable, or the table is missing).
     """
-    cutoff = _utcnow() if now is None else now
+    cutoff = utcnow() if now is None else now
     t = records
     live = t.c.expires_at > cutoff
     in_progress = t.c.status == RecordStatus.IN_PROGRESS.value
@@ -222,7 +218,7 @@ class Pruner:
         pause: float = 0.0,
         max_batches: int = 1_000_000,
         jitter: float = 0.1,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
@@ -327,7 +323,7 @@ class PruningMiddleware:
         pause: float = 0.0,
         max_batches: int = 1_000_000,
         jitter: float = 0.1,
-        clock: Callable[[], datetime] = _utcnow,
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.app = app
         self.store = store

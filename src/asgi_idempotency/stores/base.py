@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Protocol, runtime_checkable
 
 __all__ = [
@@ -16,6 +17,10 @@ __all__ = [
     "StoreError",
     "StoredResponse",
 ]
+
+
+# The default clock: the current aware UTC time, with no Python frame of its own.
+utcnow = functools.partial(datetime.now, UTC)
 
 
 class StoreError(Exception):
