@@ -260,6 +260,8 @@ class IdempotencyMiddleware:
 class _Guard:
     """One guarded request's state."""
 
+    __slots__ = ("_renewal", "key", "mw", "policy", "receive", "route", "scope", "send")
+
     def __init__(
         self,
         mw: IdempotencyMiddleware,
