@@ -109,17 +109,29 @@ def _sqlite_time(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
+async def _no_reset(conn: Any) -> None:
+    pass
+
+
+async def floor_pool(url: str, size: int) -> Any:
+    """The floor's asyncpg pool: ``size`` connections, no reset on release.
+
+    asyncpg's default reset (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) is a round
+    trip of its own per release; single autocommit statements leave no session state.
+    """
+    import asyncpg
+
+    return await asyncpg.create_pool(url, min_size=size, max_size=size, reset=_no_reset)
+
+
 class _PgBackend:
     def __init__(self, url: str) -> None:
         self.url = url
         self.pool: Any = None
 
     async def start(self) -> None:
-        import asyncpg
-
         # The same number of connections as SQLStore's default pool (pool_size=10).
-        size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
-        self.pool = await asyncpg.create_pool(self.url, min_size=size, max_size=size)
+        self.pool = await floor_pool(self.url, int(os.environ.get("BENCH_POOL_SIZE", "10")))
 
     async def stop(self) -> None:
         await self.pool.close()

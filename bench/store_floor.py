@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
-import asyncpg
+from app import floor_pool
 
 from asgi_idempotency import SQLStore
 from asgi_idempotency.stores.base import StoredResponse
@@ -64,7 +64,7 @@ async def main() -> None:
     else:
         store = SQLStore(url, pool_size=args.pool)
     await store.create_all()
-    pool = await asyncpg.create_pool(args.pg, min_size=args.pool, max_size=args.pool)
+    pool = await floor_pool(args.pg, args.pool)
     claim_sql, complete_sql = _PG_SQL["claim"].sql, _PG_SQL["complete"].sql
     run = uuid.uuid4().hex[:8]
     await store.claim(f"{run}-r", "h", "t", now=NOW, locked_until=LEASE, expires_at=TTL)

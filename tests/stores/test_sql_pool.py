@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import text
 
-from asgi_idempotency import ClaimOutcome, SQLStore
+from asgi_idempotency import ClaimOutcome, SQLStore, StoreError
 from tests.conftest import truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -66,3 +66,40 @@ async def test_the_rest_of_the_pool_stays_free_for_other_work(small: SQLStore) -
         assert (await a.execute(text("SELECT 1"))).scalar_one() == 1
         assert (await b.execute(text("SELECT 1"))).scalar_one() == 1
     assert set(await storm) == {ClaimOutcome.CLAIMED}
+
+
+async def test_a_wait_for_a_busy_pool_ends_at_the_timeout_and_leaks_nothing(pg_url: str) -> None:
+    store = SQLStore(pg_url, pool_size=1, command_timeout=1)
+    await truncate(store)
+    blocked_key = f"b{0:063d}"
+    try:
+        # An uncommitted insert of the same key makes a claim of it wait on the row lock
+        # until command_timeout. Two such claims keep the one hot-path connection busy
+        # for two timeouts in a row (FIFO), so a third claim waits in vain.
+        async with store.engine.connect() as blocker:
+            await blocker.begin()
+            await blocker.execute(
+                text(
+                    "INSERT INTO idempotency_records (key, request_hash, status, token, "
+                    "created_at, locked_until, expires_at) "
+                    "VALUES (:k, 'h', 'in_progress', 't', now(), now(), now() + interval '1 h')"
+                ),
+                {"k": blocked_key},
+            )
+            holders = [asyncio.ensure_future(claim(store, blocked_key))]
+            await asyncio.sleep(0.3)  # the second holder gets the connection as the first ends
+            holders.append(asyncio.ensure_future(claim(store, blocked_key)))
+            await asyncio.sleep(0.2)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(StoreError, match="no connection free within 1"):
+                await claim(store, f"w{0:063d}")
+            waited = asyncio.get_running_loop().time() - started
+            assert 0.9 <= waited < 2.5
+            for holder in holders:  # each blocked statement ends at command_timeout
+                with pytest.raises(StoreError):
+                    await holder
+            await blocker.rollback()
+        assert held(store) <= 1
+        assert await claim(store, f"x{0:063d}") is ClaimOutcome.CLAIMED
+    finally:
+        await store.close()

@@ -332,6 +332,15 @@ class _Driver(Protocol):
     async def close(self) -> None: ...
 
 
+class _NoConnection(Exception):
+    """A hot-path statement waited ``command_timeout`` for a connection in vain."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_NoConnection())
+
+
 def _pg_checkin(fairy: PoolProxiedConnection, failure: BaseException | None) -> None:
     if failure is not None:
         fairy.invalidate(failure)
@@ -383,28 +392,30 @@ class _PostgresDriver:
             return self._idle.pop()
         if self._held < self._limit:
             return await self._open()
-        waiter: asyncio.Future[PoolProxiedConnection | None] = (
-            asyncio.get_running_loop().create_future()
-        )
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[PoolProxiedConnection | None] = loop.create_future()
         self._waiters.append(waiter)
+        # A timer on the future rather than asyncio.timeout(): no cancellation of this
+        # task to set up and undo, on a path every request takes when the pool is busy.
+        timer = loop.call_later(self._timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(self._timeout):
-                fairy = await waiter
+            fairy = await waiter
         except BaseException as exc:
             # Timed out or cancelled: pass on what was handed over in the same moment
             # (a connection or a free slot), or it would be lost to every later waiter.
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 handed = waiter.result()
                 if handed is None:
                     self._wake(None)
                 else:
                     self._checkin(handed)
-            if isinstance(exc, TimeoutError):
-                raise StoreError(f"no connection free within {self._timeout}s") from exc
-            raise
-        finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
+            if isinstance(exc, _NoConnection):
+                raise StoreError(f"no connection free within {self._timeout}s") from None
+            raise
+        finally:
+            timer.cancel()
         return fairy if fairy is not None else await self._open()
 
     def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
