@@ -277,9 +277,13 @@ class _Guard:
         # The lease renewal: a timer until the first renewal is due, then a task.
         self._renewal: asyncio.TimerHandle | asyncio.Task[None] | None = None
 
-    def _log(self, level: int, event: str, **fields: Any) -> None:
+    def _log(
+        self, level: int, event: str, outcome: Outcome | ClaimOutcome | None = None, **fields: Any
+    ) -> None:
         if not logger.isEnabledFor(level):
             return  # replays log at INFO: skip building the record when nobody listens
+        if outcome is not None:
+            fields["outcome"] = outcome.value
         # Digests only: the scoped key is already a sha256 of (principal, key).
         logger.log(
             level,
@@ -386,7 +390,7 @@ class _Guard:
             return
         if claim.owned:
             if claim.outcome is ClaimOutcome.TAKEN_OVER:
-                self._log(logging.WARNING, "idempotency.takeover", outcome=claim.outcome.value)
+                self._log(logging.WARNING, "idempotency.takeover", outcome=claim.outcome)
             await self._execute(body, token)
             return
         await self._answer_existing(claim, now)
@@ -398,7 +402,7 @@ class _Guard:
             "idempotency.store_error",
             phase=phase,
             error=type(exc).__name__,
-            outcome=Outcome.STORE_UNAVAILABLE.value,
+            outcome=Outcome.STORE_UNAVAILABLE,
         )
         mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
         if mw.fail_open:
@@ -422,7 +426,7 @@ class _Guard:
         record = claim.record
         assert record is not None
         if claim.outcome is ClaimOutcome.MISMATCH:
-            self._log(logging.WARNING, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
+            self._log(logging.WARNING, "idempotency.mismatch", outcome=Outcome.MISMATCH)
             await self._reject(
                 KeyMismatch(
                     "This Idempotency-Key was already used with a different request "
@@ -437,7 +441,7 @@ class _Guard:
                 logging.INFO,
                 "idempotency.replay",
                 status=response.status,
-                outcome=Outcome.REPLAYED.value,
+                outcome=Outcome.REPLAYED,
             )
             self.mw._observe(self.route, Outcome.REPLAYED)
             await send_response(
@@ -607,7 +611,7 @@ class _Guard:
                     "idempotency.store_error",
                     phase="commit",
                     error=type(exc).__name__,
-                    outcome=Outcome.STORE_UNAVAILABLE.value,
+                    outcome=Outcome.STORE_UNAVAILABLE,
                 )
                 mw._observe(self.route, Outcome.STORE_UNAVAILABLE)
                 await StoreUnavailable(

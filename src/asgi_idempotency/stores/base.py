@@ -32,6 +32,10 @@ class RecordStatus(enum.StrEnum):
     COMPLETED = "completed"
 
 
+# A row's status column to its member: a dict lookup, where RecordStatus(value) is a call.
+STATUS_OF = {status.value: status for status in RecordStatus}
+
+
 # Records and responses are values: treat them as read-only. They are not frozen because
 # a frozen dataclass's __init__ costs several times more, and every replay builds both.
 

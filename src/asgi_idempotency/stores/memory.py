@@ -7,6 +7,7 @@ from typing import Any
 
 from .base import (
     CLAIMED,
+    STATUS_OF,
     TAKEN_OVER,
     Claim,
     ClaimOutcome,
@@ -28,7 +29,7 @@ _COMPLETED = RecordStatus.COMPLETED.value
 
 def _record(key: str, row: _Row) -> Record:
     response = None if row[6] is None else StoredResponse(*row[6])
-    return Record(key, row[0], RecordStatus(row[1]), row[2], row[3], row[4], row[5], response)
+    return Record(key, row[0], STATUS_OF[row[1]], row[2], row[3], row[4], row[5], response)
 
 
 class MemoryStore:

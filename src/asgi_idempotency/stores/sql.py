@@ -68,6 +68,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from .base import (
     CLAIMED,
+    STATUS_OF,
     TAKEN_OVER,
     Claim,
     ClaimOutcome,
@@ -267,7 +268,7 @@ def _encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
 
 
 def _decode_headers(raw: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    return tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in orjson.loads(raw))
+    return tuple([(k.encode("latin-1"), v.encode("latin-1")) for k, v in orjson.loads(raw)])
 
 
 def _aware(value: datetime) -> datetime:
@@ -305,7 +306,7 @@ def _to_record(key: str, row: Sequence[Any]) -> Record:
     return Record(
         key=key,
         request_hash=row[0],
-        status=RecordStatus(row[1]),
+        status=STATUS_OF[row[1]],
         token=row[2],
         created_at=_as_time(row[3]),
         locked_until=_as_time(row[4]),
