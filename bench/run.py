@@ -100,6 +100,22 @@ async def prepare_postgres(admin_url: str, url: str) -> None:
         await conn.close()
 
 
+async def settle_postgres(url: str) -> None:
+    """Between cells, untimed: vacuum and checkpoint what a Postgres cell left behind.
+
+    Otherwise autovacuum and the checkpointer clean up after a Postgres cell during the
+    next cell, on the same two cores, and charge whichever variant runs next.
+    """
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("VACUUM idempotency_records")
+        await conn.execute("CHECKPOINT")
+    finally:
+        await conn.close()
+
+
 async def prepare_sqlite(path: str) -> None:
     from asgi_idempotency import SQLStore
 
@@ -433,14 +449,20 @@ def main() -> None:
         cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
             for workload in workloads:
+                # Rotate, and reverse every other round, so no variant always runs first
+                # or always follows the same one.
                 shift = (rnd + workloads.index(workload)) % len(variants)
                 order = variants[shift:] + variants[:shift]
+                if rnd % 2:
+                    order.reverse()
                 for variant in order:
                     result = run_wrk(
                         wrk, servers[variant], workload,
                         duration=args.duration, connections=args.connections, threads=args.threads,
                     )  # fmt: skip
                     cells.setdefault((workload, variant), []).append(result)
+                    if variant in ("pg", "floor_pg"):
+                        asyncio.run(settle_postgres(args.pg))
                     log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
                         f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
