@@ -337,9 +337,9 @@ def print_table(table: dict[str, Any]) -> None:
         for variant in (v for v in VARIANTS if v in row):
             c = row[variant]
             floor = FLOOR.get(variant)
-            vs_floor = (
-                f"{paired_ratio(table, workload, variant, floor):.2f}x" if floor in row else ""
-            )
+            vs_floor = ""
+            if floor is not None and floor in row:
+                vs_floor = f"{paired_ratio(table, workload, variant, floor):.2f}x"
             vs_none = (
                 f"{paired_ratio(table, workload, variant, 'none'):.2f}x" if "none" in row else ""
             )

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -103,3 +104,9 @@ async def test_a_wait_for_a_busy_pool_ends_at_the_timeout_and_leaks_nothing(pg_u
         assert await claim(store, f"x{0:063d}") is ClaimOutcome.CLAIMED
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, None])
+def test_command_timeout_must_be_positive(pg_url: str, timeout: Any) -> None:
+    with pytest.raises(ValueError, match="command_timeout"):
+        SQLStore(pg_url, command_timeout=timeout)

@@ -36,11 +36,7 @@ class RecordStatus(enum.StrEnum):
 STATUS_OF = {status.value: status for status in RecordStatus}
 
 
-# Records and responses are values: treat them as read-only. They are not frozen because
-# a frozen dataclass's __init__ costs several times more, and every replay builds both.
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
     """A captured response: replayed byte for byte."""
 
@@ -49,7 +45,7 @@ class StoredResponse:
     body: bytes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Record:
     """One row of ``idempotency_records``."""
 

@@ -621,6 +621,8 @@ class SQLStore:
         command_timeout: float = 5.0,
         pool_size: int = 10,
     ) -> None:
+        if command_timeout is None or command_timeout <= 0:
+            raise ValueError("command_timeout must be a positive number of seconds")
         if isinstance(url_or_engine, AsyncEngine):
             engine, self._owns_engine = url_or_engine, False
         else:
