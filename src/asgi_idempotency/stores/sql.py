@@ -290,6 +290,8 @@ def _sqlite_time(value: datetime) -> str:
 
 def _as_time(value: Any) -> datetime:
     # asyncpg returns aware datetimes for timestamptz; SQLite, naive-UTC text.
+    if type(value) is datetime and value.tzinfo is not None:
+        return value
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
     assert isinstance(value, datetime)
