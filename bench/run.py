@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from asgi_idempotency.serving import free_port
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -127,12 +128,6 @@ async def prepare_sqlite(path: str) -> None:
         await store.create_all()
     finally:
         await store.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
