@@ -161,17 +161,18 @@ _RECORD_COLUMNS = (
     _t.c.response_body,
 )
 
+# What a claim writes, whether it inserts the row or takes an abandoned one over.
+_CLAIMED_ROW = {
+    "request_hash": bindparam("request_hash"),
+    "status": _IN_PROGRESS,
+    "token": bindparam("token"),
+    "created_at": bindparam("now"),
+    "locked_until": bindparam("locked_until"),
+    "expires_at": bindparam("expires_at"),
+}
 _SQLITE_INSERT: ClauseElement = (
     sqlite_insert(_t)
-    .values(
-        key=bindparam("key"),
-        request_hash=bindparam("request_hash"),
-        status=_IN_PROGRESS,
-        token=bindparam("token"),
-        created_at=bindparam("now"),
-        locked_until=bindparam("locked_until"),
-        expires_at=bindparam("expires_at"),
-    )
+    .values(key=bindparam("key"), **_CLAIMED_ROW)
     .on_conflict_do_nothing(index_elements=[_t.c.key])
     .returning(literal_column("1"))
 )
@@ -214,12 +215,7 @@ _TAKE_OVER = (
         ),
     )
     .values(
-        request_hash=bindparam("request_hash"),
-        status=_IN_PROGRESS,
-        token=bindparam("token"),
-        created_at=bindparam("now"),
-        locked_until=bindparam("locked_until"),
-        expires_at=bindparam("expires_at"),
+        **_CLAIMED_ROW,
         response_status=null(),
         response_headers=null(),
         response_body=null(),
