@@ -210,32 +210,30 @@ async def test_ledger_reads_back_instead_of_duplicating(
     assert entry.created_at.tzinfo is not None
 
 
-async def test_a_slow_request_that_lands_within_settle_is_found(
-    refunds: tuple[RefundService, str], engine: AsyncEngine
+@pytest.mark.parametrize(
+    ("lands_after", "settle", "refunds_settled"),
+    [
+        # The effect happens 0.8 s in, after the client's 0.5 s timeout, before read-back.
+        pytest.param(0.8, 0.7, 1, id="lands-within-settle-is-found"),
+        # Documented limit: a request still in flight when read-back runs lands later.
+        pytest.param(1.5, 0.05, 2, id="the-window-read-back-cannot-close"),
+    ],
+)
+async def test_a_slow_request_and_read_back(
+    refunds: tuple[RefundService, str],
+    engine: AsyncEngine,
+    lands_after: float,
+    settle: float,
+    refunds_settled: int,
 ) -> None:
     service, url = refunds
     order = _order()
-    # The effect happens 0.8 s in, after the client's 0.5 s timeout, before read-back.
-    service.plans[order] = [Plan(before=0.8), Plan()]
-    ledger = OutboundLedger(engine, policy=FAST, settle=0.7)
+    service.plans[order] = [Plan(before=lands_after), Plan()]
+    ledger = OutboundLedger(engine, policy=FAST, settle=settle)
     async with _client(url) as http:
         caller = Caller(http, order)
         await ledger.run(f"k-{order}", caller.call, read_back=caller.read_back)
-    assert await _settled(service, order) == 1
-
-
-async def test_the_window_read_back_cannot_close(
-    refunds: tuple[RefundService, str], engine: AsyncEngine
-) -> None:
-    """Documented limit: a request still in flight when read-back runs lands later."""
-    service, url = refunds
-    order = _order()
-    service.plans[order] = [Plan(before=1.5), Plan()]
-    ledger = OutboundLedger(engine, policy=FAST, settle=0.05)
-    async with _client(url) as http:
-        caller = Caller(http, order)
-        await ledger.run(f"k-{order}", caller.call, read_back=caller.read_back)
-    assert await _settled(service, order) == 2
+    assert await _settled(service, order) == refunds_settled
 
 
 async def test_duplicate_rate_is_zero_across_mixed_timings(
