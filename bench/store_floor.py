@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from app import floor_pool
 
 from asgi_idempotency import SQLStore
+from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.stores.sql import _PG_SQL
 
@@ -67,12 +68,12 @@ async def main() -> None:
     pool = await floor_pool(args.pg, args.pool)
     claim_sql, complete_sql = _PG_SQL["claim"].sql, _PG_SQL["complete"].sql
     run = uuid.uuid4().hex[:8]
-    await store.claim(f"{run}-r", "h", "t", now=NOW, locked_until=LEASE, expires_at=TTL)
+    await claim(store, f"{run}-r", "h", "t", now=NOW, locked_until=LEASE, expires_at=TTL)
     await store.complete(f"{run}-r", "t", RESPONSE, expires_at=TTL)
 
     async def ours_fresh(i: int) -> None:
         key, token = f"{run}-o-{i}-{uuid.uuid4().hex}", uuid.uuid4().hex
-        await store.claim(key, "h", token, now=NOW, locked_until=LEASE, expires_at=TTL)
+        await claim(store, key, "h", token, now=NOW, locked_until=LEASE, expires_at=TTL)
         await store.complete(key, token, RESPONSE, expires_at=TTL)
 
     async def raw_fresh(i: int) -> None:
@@ -83,7 +84,7 @@ async def main() -> None:
             await c.execute(complete_sql, TTL, 201, HEADERS, RESPONSE.body, key, token)
 
     async def ours_replay(i: int) -> None:
-        await store.claim(f"{run}-r", "h", "t2", now=NOW, locked_until=LEASE, expires_at=TTL)
+        await claim(store, f"{run}-r", "h", "t2", now=NOW, locked_until=LEASE, expires_at=TTL)
 
     async def raw_replay(i: int) -> None:
         async with pool.acquire() as c:

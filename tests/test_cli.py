@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from asgi_idempotency import cli
 from asgi_idempotency.cli import ENV_URL, Exit, main, normalize_url
 from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.stores.sql import SQLStore
 
@@ -43,7 +44,8 @@ async def _seed(url: str, now: datetime) -> None:
             t0 = now - age
             token = uuid.uuid4().hex
             digest = scoped_key(principal, key)
-            claim = await store.claim(
+            claimed = await claim(
+                store,
                 digest,
                 FINGERPRINT,
                 token,
@@ -51,7 +53,7 @@ async def _seed(url: str, now: datetime) -> None:
                 locked_until=t0 + timedelta(seconds=30),
                 expires_at=t0 + timedelta(hours=24),
             )
-            assert claim.owned
+            assert claimed.owned
             if done:
                 response = StoredResponse(201, (), b'{"refund_id": "r-1"}')
                 await store.complete(digest, token, response, expires_at=t0 + timedelta(hours=24))

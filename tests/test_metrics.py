@@ -162,12 +162,18 @@ def test_one_registry_holds_the_counter_once() -> None:
 
 
 def events(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "asgi_idempotency" and r.getMessage() == event]
+    return [
+        r for r in caplog.records if r.name == "asgi_idempotency" and r.__dict__["event"] == event
+    ]
 
 
 def assert_structured(record: logging.LogRecord, *, route: str, outcome: str) -> None:
     fields = record.__dict__
-    assert fields["event"] == record.getMessage()
+    # Plain logging shows the fields too: the message is "event name=value ...".
+    message = record.getMessage()
+    assert message.startswith(fields["event"] + " ")
+    assert f"route={route}" in message.split()
+    assert f"outcome={outcome}" in message.split()
     assert fields["route"] == route
     assert fields["outcome"] == outcome
     digest = fields["key_digest"]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from asgi_idempotency import Policy, SQLStore
-from asgi_idempotency.middleware import storable_headers
+from asgi_idempotency.capture import storable_headers
 from asgi_idempotency.stores.base import Store
 
 pytestmark = pytest.mark.anyio

@@ -20,10 +20,10 @@ def test_required_names_are_public() -> None:
 
 
 def test_every_public_class_of_the_modules_is_exported() -> None:
-    from asgi_idempotency import metrics, middleware, policy, problems
+    from asgi_idempotency import errors, lifecycle, metrics, middleware, policy
     from asgi_idempotency.stores import base, memory, sql
 
-    for module in (metrics, middleware, policy, problems, base, memory, sql):
+    for module in (errors, lifecycle, metrics, middleware, policy, base, memory, sql):
         for name in module.__all__:
             if name[0].isupper() and name not in ("ResolvedRoute", "MetricsSink"):
                 assert name in asgi_idempotency.__all__, f"{module.__name__}.{name}"

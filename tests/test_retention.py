@@ -16,6 +16,8 @@ from sqlalchemy import text
 
 from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.asgi import Message
+from asgi_idempotency.errors import StoreError
+from asgi_idempotency.lifecycle import ClaimOutcome, claim
 from asgi_idempotency.retention import (
     Pruner,
     PruningMiddleware,
@@ -23,7 +25,7 @@ from asgi_idempotency.retention import (
     prune_all,
     table_stats,
 )
-from asgi_idempotency.stores.base import ClaimOutcome, Store, StoredResponse, StoreError
+from asgi_idempotency.stores.base import Store, StoredResponse
 
 pytestmark = pytest.mark.anyio
 
@@ -35,10 +37,16 @@ async def put(store: Store, key: str, *, age: timedelta, ttl: timedelta, done: b
     """A record claimed ``age`` ago with retention ``ttl`` (expired when ttl <= age)."""
     t0 = NOW - age
     token = uuid.uuid4().hex
-    claim = await store.claim(
-        key, HASH, token, now=t0, locked_until=t0 + timedelta(seconds=30), expires_at=t0 + ttl
+    claim_ = await claim(
+        store,
+        key,
+        HASH,
+        token,
+        now=t0,
+        locked_until=t0 + timedelta(seconds=30),
+        expires_at=t0 + ttl,
     )
-    assert claim.owned
+    assert claim_.owned
     if done:
         response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
         assert await store.complete(key, token, response, expires_at=t0 + ttl)
@@ -314,7 +322,8 @@ async def test_claims_keep_answering_while_a_million_expired_rows_are_pruned(
         revive = len(latencies) % 10 == 9
         key = fill_key(next(expired_picks)) if revive else uuid.uuid4().hex + uuid.uuid4().hex
         begin = time.perf_counter()
-        claim = await pg_store.claim(
+        claim_ = await claim(
+            pg_store,
             key,
             HASH,
             uuid.uuid4().hex,
@@ -323,7 +332,7 @@ async def test_claims_keep_answering_while_a_million_expired_rows_are_pruned(
             expires_at=t + timedelta(hours=1),
         )
         latencies.append(time.perf_counter() - begin)
-        assert claim.outcome is ClaimOutcome.CLAIMED
+        assert claim_.outcome is ClaimOutcome.CLAIMED
         if revive:
             taken_over.append(key)
 

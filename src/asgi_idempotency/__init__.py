@@ -12,34 +12,37 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
-    from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
-    from .middleware import IdempotencyMiddleware
-    from .policy import Policy, idempotent
-    from .problems import (
+    from .errors import (
         BodyTooLarge,
         IdempotencyError,
         InvalidKey,
         KeyMismatch,
         MissingKey,
         RequestInProgress,
+        StoreError,
         StoreUnavailable,
     )
+    from .lifecycle import Claim, ClaimOutcome, RecordState
+    from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
+    from .middleware import IdempotencyMiddleware
+    from .policy import Policy, idempotent
     from .prometheus import PrometheusMetrics
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
-        Claim,
-        ClaimOutcome,
+        Bucket,
         Record,
         RecordStatus,
         Store,
         StoredResponse,
-        StoreError,
+        StoreTransaction,
+        TransactionalStore,
     )
     from .stores.memory import MemoryStore
     from .stores.sql import SQLStore
 
 __all__ = [
     "BodyTooLarge",
+    "Bucket",
     "CanonicalJSONError",
     "Claim",
     "ClaimOutcome",
@@ -58,13 +61,16 @@ __all__ = [
     "Pruner",
     "PruningMiddleware",
     "Record",
+    "RecordState",
     "RecordStatus",
     "RequestInProgress",
     "SQLStore",
     "Store",
     "StoreError",
+    "StoreTransaction",
     "StoreUnavailable",
     "StoredResponse",
+    "TransactionalStore",
     "__version__",
     "canonical_json",
     "idempotent",
@@ -85,20 +91,24 @@ _WHERE = {
     "Pruner": ".retention",
     "PruningMiddleware": ".retention",
     "prune_all": ".retention",
-    "BodyTooLarge": ".problems",
-    "IdempotencyError": ".problems",
-    "InvalidKey": ".problems",
-    "KeyMismatch": ".problems",
-    "MissingKey": ".problems",
-    "RequestInProgress": ".problems",
-    "StoreUnavailable": ".problems",
-    "Claim": ".stores.base",
-    "ClaimOutcome": ".stores.base",
+    "BodyTooLarge": ".errors",
+    "IdempotencyError": ".errors",
+    "InvalidKey": ".errors",
+    "KeyMismatch": ".errors",
+    "MissingKey": ".errors",
+    "RequestInProgress": ".errors",
+    "StoreError": ".errors",
+    "StoreUnavailable": ".errors",
+    "Claim": ".lifecycle",
+    "ClaimOutcome": ".lifecycle",
+    "RecordState": ".lifecycle",
+    "Bucket": ".stores.base",
+    "StoreTransaction": ".stores.base",
     "Record": ".stores.base",
     "RecordStatus": ".stores.base",
     "Store": ".stores.base",
-    "StoreError": ".stores.base",
     "StoredResponse": ".stores.base",
+    "TransactionalStore": ".stores.base",
     "MemoryStore": ".stores.memory",
     "SQLStore": ".stores.sql",
 }

@@ -224,9 +224,9 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
 
 
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .errors import InvalidKey
     from .keys import parse_key, scoped_key
-    from .problems import InvalidKey
-    from .stores.base import RecordStatus
+    from .lifecycle import RecordState, state_of
 
     url = _require_url(args)
     try:
@@ -248,10 +248,9 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
                     file=out,
                 )
             return Exit.NOT_FOUND
-        expired = record.expires_at <= now
-        abandoned = (
-            not expired and record.status is RecordStatus.IN_PROGRESS and record.locked_until <= now
-        )
+        current = state_of(record, now)
+        expired = current is RecordState.EXPIRED
+        abandoned = current is RecordState.ABANDONED
         response = record.response
         if args.json:
             payload = {
@@ -274,7 +273,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
             state += " (expired: a new request with this key runs again; awaiting prune)"
         elif abandoned:
             state += " (lease ended: the worker died or hangs; the next retry takes over)"
-        elif record.status is RecordStatus.IN_PROGRESS:
+        elif current is RecordState.RUNNING:
             state += " (running: its lease is live)"
         lines = [
             ("key digest", digest),

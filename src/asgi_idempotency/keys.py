@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .asgi import Scope
-from .problems import InvalidKey
+from .errors import InvalidKey
 
 __all__ = [
     "HEADER",

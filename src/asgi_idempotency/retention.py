@@ -29,14 +29,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
-
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .stores.base import RecordStatus, Store, StoreError, utcnow
-from .stores.memory import MemoryStore
-from .stores.schema import records
-from .stores.sql import SQLStore
+from .errors import StoreError
+from .lifecycle import RecordState, state
+from .stores.base import RecordStatus, Store, utcnow
 
 __all__ = [
     "ProgressFunc",
@@ -52,8 +48,6 @@ logger = logging.getLogger("asgi_idempotency")
 
 # Called after each batch with the number of rows deleted so far and in that batch.
 ProgressFunc = Callable[[int, int], None]
-
-_DB_ERRORS = (SQLAlchemyError, OSError, TimeoutError)
 
 
 async def prune_all(
@@ -74,8 +68,7 @@ async def prune_all(
             sooner; smaller ones hold row locks and WAL bursts for less time.
         now: the cut-off, an aware datetime (default: the current UTC time). Fixed for
             the whole run, so rows expiring meanwhile wait for the next run.
-        dry_run: count what would go, delete nothing (needs :class:`SQLStore` or
-            :class:`MemoryStore`).
+        dry_run: count what would go, delete nothing.
         progress: ``progress(done, batch)`` after each batch.
         pause: seconds to sleep between batches (default 0), to leave the database
             and its replicas room under heavy load.
@@ -114,19 +107,8 @@ async def count_expired(store: Store, *, now: datetime | None = None) -> int:
 
     Raises:
         StoreError: the store failed.
-        TypeError: ``store`` is neither :class:`SQLStore` nor :class:`MemoryStore`.
     """
-    cutoff = utcnow() if now is None else now
-    if isinstance(store, MemoryStore):
-        return store.count_expired(now=cutoff)
-    if isinstance(store, SQLStore):
-        query = select(func.count()).select_from(records).where(records.c.expires_at <= cutoff)
-        try:
-            async with store.engine.connect() as conn:
-                return int((await conn.execute(query)).scalar_one())
-        except _DB_ERRORS as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
-    raise TypeError(f"cannot count expired records in a {type(store).__name__}")
+    return await store.count_expired(now=utcnow() if now is None else now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,36 +133,28 @@ class TableStats:
         return sum(self.live.values()) + self.expired
 
 
-async def table_stats(store: SQLStore, *, now: datetime | None = None) -> TableStats:
+async def table_stats(store: Store, *, now: datetime | None = None) -> TableStats:
     """Row counts for operators: one pass over the table (an admin query, not for the hot path).
 
     Raises:
         StoreError: the store failed (unreachable, or the table is missing).
     """
     cutoff = utcnow() if now is None else now
-    t = records
-    live = t.c.expires_at > cutoff
-    in_progress = t.c.status == RecordStatus.IN_PROGRESS.value
-    query = select(
-        t.c.status,
-        func.count().filter(live).label("live"),
-        func.count().filter(~live).label("expired"),
-        func.count().filter(live & in_progress & (t.c.locked_until <= cutoff)).label("abandoned"),
-        func.min(t.c.created_at).filter(live & in_progress).label("oldest"),
-    ).group_by(t.c.status)
-    try:
-        async with store.engine.connect() as conn:
-            rows = (await conn.execute(query)).all()
-    except _DB_ERRORS as exc:
-        raise StoreError(f"{type(exc).__name__}: {exc}") from exc
-    # min() keeps the column's type, so values come back as aware UTC datetimes.
-    oldest = min((row.oldest for row in rows if row.oldest is not None), default=None)
+    live: dict[str, int] = {}
+    expired = abandoned = 0
+    oldest: datetime | None = None
+    for bucket in await store.buckets(now=cutoff):
+        current = state(bucket.status, expired=bucket.expired, lease_over=bucket.lease_over)
+        if current is RecordState.EXPIRED:
+            expired += bucket.count
+            continue
+        live[bucket.status.value] = live.get(bucket.status.value, 0) + bucket.count
+        if current is RecordState.ABANDONED:
+            abandoned += bucket.count
+        if bucket.status is RecordStatus.IN_PROGRESS and bucket.oldest_created_at is not None:
+            oldest = min(oldest or bucket.oldest_created_at, bucket.oldest_created_at)
     return TableStats(
-        now=cutoff,
-        live={str(row.status): int(row.live) for row in rows if row.live},
-        expired=sum(int(row.expired) for row in rows),
-        abandoned=sum(int(row.abandoned) for row in rows),
-        oldest_in_progress=oldest,
+        now=cutoff, live=live, expired=expired, abandoned=abandoned, oldest_in_progress=oldest
     )
 
 

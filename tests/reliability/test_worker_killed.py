@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.stores.base import Claim, ClaimOutcome
+from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
 
 from ..conftest import Server, run_uvicorn
 from .support import DEMO, Probe, demo_env
@@ -97,7 +97,8 @@ async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
         await asyncio.gather(*(s.get("warm") for s in stores for _ in range(4)))
         for round_ in range(5):
             key, now = f"abandoned-{round_}", datetime.now(UTC)
-            dead = await stores[0].claim(
+            dead = await claim(
+                stores[0],
                 key,
                 "h",
                 "dead-worker",
@@ -112,7 +113,8 @@ async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
                 i: int, key: str = key, now: datetime = now, start: asyncio.Event = start
             ) -> Claim:
                 await start.wait()
-                return await stores[i % len(stores)].claim(
+                return await claim(
+                    stores[i % len(stores)],
                     key,
                     "h" if same_request else f"other-{i}",
                     f"racer-{i}",

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse
+from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse, lifecycle
 from asgi_idempotency.stores.base import Store
 
 pytestmark = pytest.mark.anyio
@@ -28,8 +28,8 @@ def tok() -> str:
 async def claim(
     store: Store, key: str = "k" * 64, h: str = "h1", token: str | None = None, now: datetime = T0
 ):
-    return await store.claim(
-        key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
+    return await lifecycle.claim(
+        store, key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
     )
 
 
@@ -113,7 +113,8 @@ async def test_expired_record_behaves_as_new_before_prune(store: Store) -> None:
 
 async def test_prune_deletes_only_expired_rows_in_batches(store: Store) -> None:
     for i in range(5):
-        await store.claim(
+        await lifecycle.claim(
+            store,
             f"{i:064d}",
             "h",
             tok(),

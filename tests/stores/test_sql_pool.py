@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from asgi_idempotency import ClaimOutcome, SQLStore, StoreError
+from asgi_idempotency import ClaimOutcome, SQLStore, StoreError, lifecycle
 from tests.conftest import truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -30,7 +30,7 @@ async def small(pg_url: str) -> AsyncIterator[SQLStore]:
 
 
 async def claim(store: SQLStore, key: str) -> ClaimOutcome:
-    claim = await store.claim(
+    claim = await lifecycle.claim(store,
         key, "h", uuid.uuid4().hex, now=NOW, locked_until=NOW + timedelta(seconds=30),
         expires_at=NOW + timedelta(hours=1),
     )  # fmt: skip

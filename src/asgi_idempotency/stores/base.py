@@ -1,30 +1,37 @@
-"""The store protocol: a few atomic primitives under the middleware's state machine."""
+"""The store protocol: records and the atomic, token-fenced primitives every store offers.
+
+Stores decide nothing: what a row means for a new request, and whether a response
+completes or releases a key, is :mod:`asgi_idempotency.lifecycle`. A store only
+inserts, compares-and-swaps, updates and deletes rows atomically, and reports what
+it found. Every method raises :class:`~asgi_idempotency.StoreError` on failure.
+"""
 
 from __future__ import annotations
 
 import enum
 import functools
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from ..errors import StoreError
 
 __all__ = [
-    "Claim",
-    "ClaimOutcome",
+    "Bucket",
     "Record",
     "RecordStatus",
     "Store",
     "StoreError",
+    "StoreTransaction",
     "StoredResponse",
+    "TransactionalStore",
+    "utcnow",
 ]
 
 
 # The default clock: the current aware UTC time, with no Python frame of its own.
 utcnow = functools.partial(datetime.now, UTC)
-
-
-class StoreError(Exception):
-    """The store could not answer: unreachable, timed out, or a driver error."""
 
 
 class RecordStatus(enum.StrEnum):
@@ -59,53 +66,40 @@ class Record:
     response: StoredResponse | None = None
 
 
-class ClaimOutcome(enum.Enum):
-    CLAIMED = "claimed"  # the caller owns the key: run the handler
-    TAKEN_OVER = "taken_over"  # claimed an abandoned in-progress row (lease ran out)
-    COMPLETED = "completed"  # a stored response exists for this request
-    IN_PROGRESS = "in_progress"  # another owner holds a live lease
-    MISMATCH = "mismatch"  # the key belongs to a different request
+class Busy(enum.Enum):
+    """A transactional store's answer when another transaction holds the key's lock."""
+
+    BUSY = "busy"
+
+
+BUSY = Busy.BUSY
 
 
 @dataclass(frozen=True, slots=True)
-class Claim:
-    outcome: ClaimOutcome
-    record: Record | None = None  # the existing row, for every outcome but CLAIMED/TAKEN_OVER
+class Bucket:
+    """Rows grouped by status and by which side of ``now`` their two deadlines fall.
 
-    @property
-    def owned(self) -> bool:
-        return self.outcome in (ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER)
-
-
-# The two answers that carry no row, shared: claims are frozen, and the hot path is hot.
-CLAIMED = Claim(ClaimOutcome.CLAIMED)
-TAKEN_OVER = Claim(ClaimOutcome.TAKEN_OVER)
-
-
-def decide(existing: Record, request_hash: str, now: datetime) -> ClaimOutcome:
-    """What an existing, unexpired row means for a new request with ``request_hash``.
-
-    One function so that every store answers the same; the SQL store re-checks the
-    takeover case inside a conditional update.
+    What a bucket *means* (live, expired, abandoned) is the lifecycle's to say.
     """
-    if existing.request_hash != request_hash:
-        return ClaimOutcome.MISMATCH
-    if existing.status is RecordStatus.COMPLETED:
-        return ClaimOutcome.COMPLETED
-    if existing.locked_until <= now:
-        return ClaimOutcome.TAKEN_OVER
-    return ClaimOutcome.IN_PROGRESS
+
+    status: RecordStatus
+    expired: bool  # expires_at <= now
+    lease_over: bool  # locked_until <= now
+    count: int
+    oldest_created_at: datetime | None
 
 
 @runtime_checkable
 class Store(Protocol):
-    """Atomic primitives. Every method raises :class:`StoreError` on store failure.
+    """Atomic primitives over records keyed by the scoped key (a sha256 hex digest).
 
-    Times come from the caller's clock so that leases and retention are testable;
-    hosts sharing a store need synchronised clocks (NTP), as for any lease.
+    ``insert`` and ``replace`` write a fresh in-progress claim; ``complete``,
+    ``release`` and ``renew`` are fenced by the claim's ``token``, so a stale owner
+    never changes a row it lost. Times come from the caller's clock so that leases
+    and retention are testable; hosts sharing a store need synchronised clocks (NTP).
     """
 
-    async def claim(
+    async def insert(
         self,
         key: str,
         request_hash: str,
@@ -114,11 +108,29 @@ class Store(Protocol):
         now: datetime,
         locked_until: datetime,
         expires_at: datetime,
-    ) -> Claim:
-        """Insert an in-progress row, or report the live row that is in the way.
+    ) -> Record | None:
+        """Insert an in-progress row; ``None`` if inserted, else the row in the way.
 
-        Expired rows (``expires_at <= now``) count as absent. An in-progress row
-        whose lease ran out is taken over only for the same ``request_hash``.
+        The row in the way is returned whatever its state (expired included): the
+        caller decides. One round trip on SQL stores.
+        """
+        ...
+
+    async def replace(
+        self,
+        expected: Record,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> bool:
+        """Overwrite ``expected`` with a fresh claim, only if the row is still exactly it.
+
+        Compare-and-swap on the row as read (its token, status and lease), so of two
+        racing callers at most one wins, and a renewal or completion that landed
+        in between makes the swap fail.
         """
         ...
 
@@ -140,8 +152,78 @@ class Store(Protocol):
         """The row for a scoped key, expired or not (for inspection, not the hot path)."""
         ...
 
+    async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
+        """Up to ``limit`` rows whose scoped key starts with ``prefix`` (the logs' digest)."""
+        ...
+
+    async def buckets(self, *, now: datetime) -> list[Bucket]:
+        """Every row counted into :class:`Bucket` s at ``now`` (an admin query)."""
+        ...
+
+    async def count_expired(self, *, now: datetime) -> int:
+        """How many rows have ``expires_at <= now``."""
+        ...
+
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
-        """Delete up to ``batch_size`` expired rows; return how many went."""
+        """Delete up to ``batch_size`` rows with ``expires_at <= now``; return how many went."""
         ...
 
     async def close(self) -> None: ...
+
+
+class StoreTransaction(Protocol):
+    """One open transaction of a :class:`TransactionalStore`, under the key's lock.
+
+    ``insert`` takes a non-blocking lock on the key first: :data:`BUSY` means
+    another transaction is deciding this key right now. Under the lock nothing else
+    can change the row, so ``replace`` needs no compare-and-swap.
+    """
+
+    @property
+    def state(self) -> Any:
+        """What the handler writes through, as ``request.state.idempotency``."""
+        ...
+
+    async def insert(
+        self,
+        key: str,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> Record | Literal[Busy.BUSY] | None:
+        """``None`` if inserted, else the row in the way, or :data:`BUSY` if another
+        transaction holds the key's lock."""
+        ...
+
+    async def replace(
+        self,
+        expected: Record,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> bool: ...
+
+    async def commit(self, key: str, token: str, response: StoredResponse, *,
+                     expires_at: datetime) -> None:  # fmt: skip
+        """Flush the handler's writes, complete the record, and commit, all or nothing."""
+        ...
+
+
+@runtime_checkable
+class TransactionalStore(Store, Protocol):
+    """A store that can run the claim, the handler's writes and the record in one transaction."""
+
+    @property
+    def transactions_unavailable(self) -> str | None:
+        """``None`` when this instance can open transactions, else why not (for the error)."""
+        ...
+
+    def transaction(self) -> AbstractAsyncContextManager[StoreTransaction]:
+        """Open a transaction; leaving the context without ``commit`` rolls it back."""
+        ...

@@ -1,21 +1,11 @@
-"""In-process store: the same semantics as SQL, for tests and single-process demos."""
+"""In-process store: the same primitives as SQL, for tests and single-process demos."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from typing import Any
 
-from .base import (
-    CLAIMED,
-    STATUS_OF,
-    TAKEN_OVER,
-    Claim,
-    ClaimOutcome,
-    Record,
-    RecordStatus,
-    StoredResponse,
-    decide,
-)
+from .base import STATUS_OF, Bucket, Record, RecordStatus, StoredResponse
 
 __all__ = ["MemoryStore"]
 
@@ -41,7 +31,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
 
-    async def claim(
+    async def insert(
         self,
         key: str,
         request_hash: str,
@@ -50,17 +40,34 @@ class MemoryStore:
         now: datetime,
         locked_until: datetime,
         expires_at: datetime,
-    ) -> Claim:
+    ) -> Record | None:
         row = self._rows.get(key)
-        claimed = CLAIMED
-        if row is not None and row[5] > now:
-            existing = _record(key, row)
-            outcome = decide(existing, request_hash, now)
-            if outcome is not ClaimOutcome.TAKEN_OVER:
-                return Claim(outcome, existing)
-            claimed = TAKEN_OVER
+        if row is not None:
+            return _record(key, row)
         self._rows[key] = (request_hash, _IN_PROGRESS, token, now, locked_until, expires_at, None)
-        return claimed
+        return None
+
+    async def replace(
+        self,
+        expected: Record,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> bool:
+        key = expected.key
+        row = self._rows.get(key)
+        if (
+            row is None
+            or row[2] != expected.token
+            or row[1] != expected.status.value
+            or row[4] != expected.locked_until
+        ):
+            return False
+        self._rows[key] = (request_hash, _IN_PROGRESS, token, now, locked_until, expires_at, None)
+        return True
 
     def _owned(self, key: str, token: str) -> _Row | None:
         row = self._rows.get(key)
@@ -95,8 +102,22 @@ class MemoryStore:
         row = self._rows.get(key)
         return None if row is None else _record(key, row)
 
-    def count_expired(self, *, now: datetime) -> int:
-        """How many rows have expired at ``now`` and await pruning."""
+    async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
+        found = [_record(k, r) for k, r in self._rows.items() if k.startswith(prefix)]
+        return sorted(found, key=lambda r: r.key)[:limit]
+
+    async def buckets(self, *, now: datetime) -> list[Bucket]:
+        groups: dict[tuple[str, bool, bool], tuple[int, datetime | None]] = {}
+        for row in self._rows.values():
+            group = (row[1], row[5] <= now, row[4] <= now)
+            count, oldest = groups.get(group, (0, None))
+            groups[group] = (count + 1, row[3] if oldest is None else min(oldest, row[3]))
+        return [
+            Bucket(STATUS_OF[status], expired, lease_over, count, oldest)
+            for (status, expired, lease_over), (count, oldest) in groups.items()
+        ]
+
+    async def count_expired(self, *, now: datetime) -> int:
         return sum(1 for r in self._rows.values() if r[5] <= now)
 
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:

@@ -1,4 +1,4 @@
-"""The error tree and its RFC 9457 ``application/problem+json`` rendering.
+"""Every error the server side raises, in one tree, and its RFC 9457 rendering.
 
 ::
 
@@ -9,6 +9,12 @@
     ├── KeyMismatch             422  same key, different request
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After)
     └── StoreUnavailable        503  the store failed; the handler did not run (Retry-After)
+        └── StoreError               raised by a store: unreachable, timed out, driver error
+
+Stores translate their driver's exceptions into :class:`StoreError` at their own
+boundary (``raise StoreError(...) from exc``), so nothing above ``stores/`` ever
+catches a driver type. The client half (``asgi_idempotency.client``) has errors of
+its own and imports nothing from here.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ __all__ = [
     "KeyMismatch",
     "MissingKey",
     "RequestInProgress",
+    "StoreError",
     "StoreUnavailable",
 ]
 
@@ -100,3 +107,20 @@ class StoreUnavailable(IdempotencyError):
     status = 503
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+
+
+class StoreError(StoreUnavailable):
+    """A store could not answer: unreachable, timed out, read-only, or a driver error.
+
+    The message names the driver's exception class and its message, never a key or a
+    body; the middleware answers such a failure with its own 503 (or runs the handler
+    unguarded with ``fail_open``).
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+
+    @classmethod
+    def wrap(cls, exc: BaseException) -> StoreError:
+        """The one spelling of a translated driver error: ``"ClassName: message"``."""
+        return cls(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,202 @@
+"""The record lifecycle: every rule about what a stored record means, in one place.
+
+Stores only insert, compare-and-swap, update and delete (:mod:`.stores.base`). This
+module says what their answers mean:
+
+- :func:`state_of` — a row at ``now`` is expired, abandoned, running or completed;
+- :func:`judge` — what an existing row means for a new request (the table below);
+- :func:`claim` — the claim itself, as store primitives: insert, else judge the row
+  in the way and, where the request may have it, take it over by compare-and-swap;
+- :func:`completes` — whether a handler's response completes the key or releases it;
+- :func:`in_progress_wait` — the ``Retry-After`` of a 409.
+
+============================  ===========  =====  ==========================
+row before                    fingerprint  lease  outcome
+============================  ===========  =====  ==========================
+none, or expired              —            —      CLAIMED: run the handler
+in progress                   same         live   IN_PROGRESS (409)
+in progress                   same         over   TAKEN_OVER: run the handler
+in progress or completed      different    —      MISMATCH (422)
+completed                     same         —      COMPLETED: replay
+============================  ===========  =====  ==========================
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Protocol
+
+from .errors import StoreError
+from .stores.base import BUSY, Busy, Record, RecordStatus
+
+__all__ = [
+    "Claim",
+    "ClaimOutcome",
+    "RecordState",
+    "claim",
+    "completes",
+    "in_progress_wait",
+    "judge",
+    "state",
+    "state_of",
+]
+
+
+class RecordState(enum.StrEnum):
+    """What a stored row is at a given moment."""
+
+    RUNNING = "running"  # in progress, lease live: its owner is at work
+    ABANDONED = "abandoned"  # in progress, lease over: the owner died or hangs
+    COMPLETED = "completed"  # a response is stored and replayed
+    EXPIRED = "expired"  # past retention: behaves as absent, awaits pruning
+
+
+def state(status: RecordStatus, *, expired: bool, lease_over: bool) -> RecordState:
+    """The state of a row from its status and which side of ``now`` its deadlines fall."""
+    if expired:
+        return RecordState.EXPIRED
+    if status is RecordStatus.COMPLETED:
+        return RecordState.COMPLETED
+    return RecordState.ABANDONED if lease_over else RecordState.RUNNING
+
+
+def state_of(record: Record, now: datetime) -> RecordState:
+    return state(
+        record.status,
+        expired=record.expires_at <= now,
+        lease_over=record.locked_until <= now,
+    )
+
+
+class ClaimOutcome(enum.Enum):
+    CLAIMED = "claimed"  # the caller owns the key: run the handler
+    TAKEN_OVER = "taken_over"  # claimed an abandoned in-progress row (lease ran out)
+    COMPLETED = "completed"  # a stored response exists for this request
+    IN_PROGRESS = "in_progress"  # another owner holds a live lease
+    MISMATCH = "mismatch"  # the key belongs to a different request
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: ClaimOutcome
+    # The row in the way, for every outcome but CLAIMED/TAKEN_OVER; None for an
+    # IN_PROGRESS that a transactional store answered from its lock alone.
+    record: Record | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.outcome in _OWNED
+
+
+_OWNED = frozenset({ClaimOutcome.CLAIMED, ClaimOutcome.TAKEN_OVER})
+
+# The answers that carry no row, shared: claims are frozen, and the hot path is hot.
+CLAIMED = Claim(ClaimOutcome.CLAIMED)
+TAKEN_OVER = Claim(ClaimOutcome.TAKEN_OVER)
+_LOCKED_ELSEWHERE = Claim(ClaimOutcome.IN_PROGRESS)
+
+
+def judge(existing: Record | None, request_hash: str, now: datetime) -> ClaimOutcome:
+    """What the row in the way (or none) means for a new request with ``request_hash``."""
+    if existing is None:
+        return ClaimOutcome.CLAIMED
+    current = state_of(existing, now)
+    if current is RecordState.EXPIRED:
+        return ClaimOutcome.CLAIMED  # an expired key behaves as new, pruned or not
+    if existing.request_hash != request_hash:
+        return ClaimOutcome.MISMATCH
+    if current is RecordState.COMPLETED:
+        return ClaimOutcome.COMPLETED
+    return ClaimOutcome.TAKEN_OVER if current is RecordState.ABANDONED else ClaimOutcome.IN_PROGRESS
+
+
+class Claimant(Protocol):
+    """The two primitives a claim needs: a store, or a transaction of one."""
+
+    async def insert(
+        self,
+        key: str,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> Record | Literal[Busy.BUSY] | None: ...
+
+    async def replace(
+        self,
+        expected: Record,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> bool: ...
+
+
+# A take-over loses a race to another claimant at most a few times; past that something
+# is wrong with the store, and the request gets the 503 path.
+CLAIM_ATTEMPTS = 5
+
+
+async def claim(
+    store: Claimant,
+    key: str,
+    request_hash: str,
+    token: str,
+    *,
+    now: datetime,
+    locked_until: datetime,
+    expires_at: datetime,
+) -> Claim:
+    """Claim ``key`` for ``token``: one insert, and a compare-and-swap only to take over.
+
+    Round trips: a fresh key 1; a replay, 409 or 422 1; a take-over 2.
+
+    Raises:
+        StoreError: the store failed, or the row kept changing under the claim.
+    """
+    for _ in range(CLAIM_ATTEMPTS):
+        existing = await store.insert(
+            key, request_hash, token, now=now, locked_until=locked_until, expires_at=expires_at
+        )
+        if existing is None:
+            return CLAIMED
+        if existing is BUSY:
+            return _LOCKED_ELSEWHERE
+        outcome = judge(existing, request_hash, now)
+        if outcome not in _OWNED:
+            return Claim(outcome, existing)
+        if await store.replace(
+            existing, request_hash, token, now=now, locked_until=locked_until, expires_at=expires_at
+        ):
+            return CLAIMED if outcome is ClaimOutcome.CLAIMED else TAKEN_OVER
+    raise StoreError(f"claim did not settle after {CLAIM_ATTEMPTS} attempts")
+
+
+# Outcomes a retry could change: not final, so the key is released rather than stored.
+RELEASED_STATUSES = frozenset({408, 409, 425, 429})
+
+
+def completes(status: int) -> bool:
+    """Whether a handler's response completes the key (stored, replayed) or releases it.
+
+    2xx, 3xx and deterministic 4xx complete; 5xx and 408/409/425/429, which a retry
+    could change, release the key so that the retry runs again.
+    """
+    return status < 500 and status not in RELEASED_STATUSES
+
+
+def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -> float:
+    """Seconds a 409 suggests: the short retry interval, never past the running lease.
+
+    Most handlers finish long before their lease ends, so the lease itself (an upper
+    bound) would make callers wait far longer than needed.
+    """
+    if record is None:
+        return retry_after
+    return min((record.locked_until - now).total_seconds(), retry_after)

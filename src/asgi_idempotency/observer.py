@@ -1,0 +1,59 @@
+"""What the guard tells operators: one outcome count per guarded request, and log events.
+
+Every middleware counts its outcomes in process (:class:`InMemoryMetrics`, read with
+``IdempotencyMiddleware.snapshot()``) and passes each to the optional sink it was
+given (Prometheus, say). Log records carry their fields twice: as ``extra`` for
+structured handlers, and in the message (``event key=value ...``) for plain
+``logging``. Keys appear only as the first 16 hex digits of the scoped key's digest;
+bodies and stored responses never appear.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .metrics import InMemoryMetrics, MetricsSink, Outcome
+
+__all__ = ["Observer", "logger"]
+
+logger = logging.getLogger("asgi_idempotency")
+
+
+class Observer:
+    """Counts and logs for one middleware; shared by all of its requests."""
+
+    __slots__ = ("counts", "sink")
+
+    def __init__(self, sink: MetricsSink | None) -> None:
+        self.counts = InMemoryMetrics()
+        self.sink = sink
+
+    def outcome(self, route: str, outcome: Outcome) -> None:
+        self.counts.observe(route, outcome)
+        if self.sink is not None:
+            self.sink.observe(route, outcome)
+
+    def log(self, level: int, event: str, route: str, key: str, **fields: Any) -> None:
+        """Log ``event`` for a request on ``route`` whose scoped key is ``key``."""
+        if not logger.isEnabledFor(level):
+            return  # replays log at INFO: skip building the record when nobody listens
+        fields = {"route": route, "key_digest": key[:16], **fields}
+        text = " ".join(f"{name}={value}" for name, value in fields.items())
+        logger.log(level, "%s %s", event, text, extra={"event": event, **fields})
+
+    def store_error(
+        self, route: str, key: str, phase: str, exc: BaseException, **fields: Any
+    ) -> None:
+        """A store failure, at ERROR: its class and message first, so the cause is on the
+        first line a user reads. Store messages name driver errors, never keys or bodies."""
+        self.log(
+            logging.ERROR,
+            "idempotency.store_error",
+            route,
+            key,
+            phase=phase,
+            error=type(exc).__name__,
+            detail=str(exc),
+            **fields,
+        )

@@ -1,0 +1,89 @@
+"""Reading a guarded request: its key headers in one pass, its body in full, and a replay of it.
+
+The body is buffered before the claim so that the fingerprint covers it; the
+handler then reads the same bytes through :func:`replay_body`.
+"""
+
+from __future__ import annotations
+
+from .asgi import Headers, Message, Receive
+from .errors import BodyTooLarge, InvalidKey
+from .keys import HEADER
+
+__all__ = ["guard_headers", "read_body", "replay_body"]
+
+
+def guard_headers(headers: Headers) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The raw ``Idempotency-Key``, ``Content-Type`` and ``Content-Length``, in one pass.
+
+    Raises:
+        InvalidKey: the key header was sent more than once (which key was meant is unknowable).
+    """
+    key = content_type = content_length = None
+    for name, value in headers:
+        name = name.lower()
+        if name == HEADER:
+            if key is not None:
+                raise InvalidKey(
+                    "Send the Idempotency-Key header once; it was sent more than once."
+                )
+            key = value
+        elif name == b"content-type":
+            if content_type is None:
+                content_type = value
+        elif name == b"content-length":
+            content_length = value
+    return key, content_type, content_length
+
+
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"The request body exceeds {limit} bytes for this endpoint.")
+
+
+async def read_body(receive: Receive, limit: int, declared_length: bytes | None) -> bytes | None:
+    """The whole body, or ``None`` if the client left while sending it.
+
+    Raises:
+        BodyTooLarge: the declared or the received length is over ``limit``; nothing
+            past the limit is buffered.
+    """
+    if declared_length is not None:
+        try:
+            declared = int(declared_length)
+        except ValueError:
+            declared = -1  # the server has framed the body anyway; the count below decides
+        if declared > limit:
+            raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk  # the whole body in one message, as small bodies come
+            chunks.append(chunk)
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the buffered body once, then defers to the real one.
+
+    Later calls reach the server, so the app still sees ``http.disconnect``.
+    """
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,324 @@
+"""Postgres: the asyncpg hot path on connections kept from SQLAlchemy's pool, and transactions.
+
+The hot path checks a connection out per statement (asyncpg runs one statement at a
+time per connection) and runs the statements of :mod:`.statements` as prepared
+statements in autocommit: one statement, one round trip, no BEGIN/COMMIT around it.
+Transactional mode opens one SQLAlchemy connection per request instead and runs the
+claim (with the key's advisory lock), the handler's writes and the completion in one
+transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.pool import PoolProxiedConnection
+
+# greenlet_spawn: the same bridge AsyncEngine.raw_connection() uses. Returning a
+# connection to the pool may do I/O (closing an overflow connection), which the
+# async pool runs through it; without it there is no public async check-in.
+from sqlalchemy.util import greenlet_spawn
+
+from ..errors import StoreError
+from .base import BUSY, Busy, Record, StoredResponse
+from .sqlerrors import DRIVER_ERRORS, PG_BROKEN, breaks, translate
+from .statements import (
+    CLAIM_LOCKED,
+    COMPLETE,
+    PG,
+    REPLACE_LOCKED,
+    encode_headers,
+    to_record,
+)
+
+__all__ = ["IdempotencyTransaction", "PostgresDriver", "PostgresTransaction", "open_transaction"]
+
+T = TypeVar("T")
+
+
+class _NoConnection(Exception):
+    """A hot-path statement waited ``command_timeout`` for a connection in vain."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_NoConnection())
+
+
+class PostgresDriver:
+    """asyncpg connections from SQLAlchemy's pool, kept by the hot path between statements.
+
+    Up to ``limit`` connections stay checked out of SQLAlchemy's pool, idle in a
+    stack of our own between statements: taking one back costs no greenlet hop and
+    no pool wait, which was most of what a one-statement request paid for its
+    checkout (and asyncpg's prepared statements stay warm). Past ``limit`` a
+    statement waits, first come first served, for one to be handed back, up to
+    ``timeout`` seconds. The rest of SQLAlchemy's pool stays free for transactional
+    requests, ``get``, ``prune`` and the application's Core work. A connection that
+    breaks takes every idle one with it, as SQLAlchemy's pool does on a disconnect:
+    they share the cause, and each would otherwise fail one more request.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
+        self._engine = engine
+        self._limit = max(1, limit)
+        self._timeout = timeout
+        self._held = 0  # checked out of SQLAlchemy's pool by us: idle or in use
+        self._idle: list[PoolProxiedConnection] = []
+        # FIFO waiters; a waiter is handed a connection, or None: "open a new one".
+        self._waiters: deque[asyncio.Future[PoolProxiedConnection | None]] = deque()
+        self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def _open(self) -> PoolProxiedConnection:
+        self._held += 1
+        try:
+            return await self._engine.raw_connection()
+        except BaseException as exc:
+            self._release_slot()
+            if isinstance(exc, DRIVER_ERRORS):
+                raise translate(exc) from exc
+            raise
+
+    def _release_slot(self) -> None:
+        """One connection fewer is held: the longest waiter may open a new one."""
+        self._held -= 1
+        self._wake(None)
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        if self._idle:
+            return self._idle.pop()
+        if self._held < self._limit:
+            return await self._open()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[PoolProxiedConnection | None] = loop.create_future()
+        self._waiters.append(waiter)
+        # A timer on the future rather than asyncio.timeout(): no cancellation of this
+        # task to set up and undo, on a path every request takes when the pool is busy.
+        timer = loop.call_later(self._timeout, _expire, waiter)
+        try:
+            fairy = await waiter
+        except BaseException as exc:
+            # Timed out or cancelled: pass on what was handed over in the same moment
+            # (a connection or a free slot), or it would be lost to every later waiter.
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                handed = waiter.result()
+                if handed is None:
+                    self._wake(None)
+                else:
+                    self._checkin(handed)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            if isinstance(exc, _NoConnection):
+                raise StoreError(f"no connection free within {self._timeout}s") from None
+            raise
+        finally:
+            timer.cancel()
+        return fairy if fairy is not None else await self._open()
+
+    def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(fairy)
+                return True
+        return False
+
+    def _checkin(self, fairy: PoolProxiedConnection) -> None:
+        if self._closed:
+            self._held -= 1
+            self._close_soon(fairy)
+        elif not self._wake(fairy):
+            self._idle.append(fairy)
+
+    def _close_soon(self, fairy: PoolProxiedConnection) -> None:
+        # Returning a connection to SQLAlchemy's pool needs an await; where the caller
+        # cannot wait (cancelled, or a sync path) it happens in a task of its own.
+        task = asyncio.ensure_future(greenlet_spawn(fairy.close))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _discard(self, fairy: PoolProxiedConnection, broken: BaseException) -> None:
+        victims = [fairy, *self._idle]
+        self._idle.clear()
+        for victim in victims:
+            # Invalidate outside the greenlet: asyncpg is then terminated at once rather
+            # than closed gracefully, which could keep a 503 waiting on a dead socket.
+            victim.invalidate(broken)
+            await greenlet_spawn(victim.close)
+            self._release_slot()  # each freed slot lets one waiter connect afresh
+
+    async def _run(self, op: Callable[[Any], Awaitable[T]]) -> T:
+        fairy = await self._checkout()
+        driver: asyncpg.Connection = fairy.driver_connection
+        try:
+            result = await op(driver)
+        except DRIVER_ERRORS as exc:
+            if driver.is_closed() or breaks(exc, PG_BROKEN):
+                await self._discard(fairy, exc)
+            else:
+                self._checkin(fairy)
+            raise translate(exc) from exc
+        except BaseException:
+            # Cancelled mid-statement: the connection's state is unknown; drop it.
+            fairy.invalidate()
+            self._close_soon(fairy)
+            self._release_slot()
+            raise
+        self._checkin(fairy)
+        return result
+
+    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
+        """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible)."""
+        args = PG["claim"].args(values)
+        row = await self._run(lambda c: c.fetchrow(PG["claim"].sql, *args))
+        assert row is not None  # the LEFT JOIN always yields one row
+        if row[1]:
+            return True, None
+        return False, (None if row[2] is None else tuple(row)[2:])
+
+    async def rowcount(self, name: str, values: dict[str, Any]) -> int:
+        stmt = PG[name]
+        args = stmt.args(values)
+        status: str = await self._run(lambda c: c.execute(stmt.sql, *args))
+        return int(status.rpartition(" ")[2])  # "UPDATE 1", "DELETE 0"
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for fairy in idle:
+            self._held -= 1
+            await greenlet_spawn(fairy.close)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyTransaction:
+    """What a transactional handler writes through: one connection, one transaction.
+
+    ``session`` is bound to ``connection``; its ``commit()`` does not end the outer
+    transaction (the middleware commits it, with the record, after the handler).
+    """
+
+    connection: AsyncConnection
+    session: AsyncSession
+
+
+def _claim_values(
+    key: str, request_hash: str, token: str, now: datetime, locked_until: datetime,
+    expires_at: datetime,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "key": key,
+        "request_hash": request_hash,
+        "token": token,
+        "now": now,
+        "locked_until": locked_until,
+        "expires_at": expires_at,
+    }
+
+
+class PostgresTransaction:
+    """One request's transaction: the claim under the key's advisory lock, then the record.
+
+    Round trips for a first request: BEGIN, claim (lock included), the handler's own
+    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK.
+    """
+
+    __slots__ = ("_conn", "state")
+
+    def __init__(self, conn: AsyncConnection) -> None:
+        self._conn = conn
+        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+
+    async def insert(
+        self,
+        key: str,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> Record | Literal[Busy.BUSY] | None:
+        values = _claim_values(key, request_hash, token, now, locked_until, expires_at)
+        try:
+            row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+        if not row[0]:
+            return BUSY
+        if row[1]:
+            return None
+        # Under the lock the row in the way is visible unless it was deleted since this
+        # statement's snapshot; then the retry's insert wins it.
+        return None if row[2] is None else to_record(key, tuple(row)[2:])
+
+    async def replace(
+        self,
+        expected: Record,
+        request_hash: str,
+        token: str,
+        *,
+        now: datetime,
+        locked_until: datetime,
+        expires_at: datetime,
+    ) -> bool:
+        # Under the key's lock nothing else decides it: no compare-and-swap needed.
+        values = _claim_values(expected.key, request_hash, token, now, locked_until, expires_at)
+        values["where_key"] = values.pop("key")
+        try:
+            result = await self._conn.execute(REPLACE_LOCKED, values)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+        return bool(result.rowcount)
+
+    async def commit(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> None:
+        values = {
+            "where_key": key,
+            "where_token": token,
+            "expires_at": expires_at,
+            "response_status": response.status,
+            "response_headers": encode_headers(response.headers),
+            "response_body": response.body,
+        }
+        try:
+            await self.state.session.flush()
+            await self._conn.execute(COMPLETE, values)
+            await self._conn.commit()
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+
+
+@asynccontextmanager
+async def open_transaction(
+    engine: AsyncEngine, closing: set[asyncio.Task[Any]]
+) -> AsyncIterator[PostgresTransaction]:
+    """A connection in a transaction; closing it (even when cancelled) rolls back what
+    was not committed and returns the connection to the pool."""
+    try:
+        conn = await engine.connect()
+    except DRIVER_ERRORS as exc:
+        raise translate(exc) from exc
+    try:
+        try:
+            await conn.begin()
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+        yield PostgresTransaction(conn)
+    finally:
+        task = asyncio.ensure_future(conn.close())
+        closing.add(task)
+        task.add_done_callback(closing.discard)
+        await asyncio.shield(task)

@@ -1,0 +1,294 @@
+"""Every SQL statement of the store, built once from the one ``Table`` and compiled per driver.
+
+The hot-path statements are compiled at import for asyncpg and for sqlite3 and run
+by the driver as prepared statements; the rest run through SQLAlchemy Core. The
+dialects differ in two statements, both named here: the claim (Postgres returns
+the row in its way from the same statement, through a data-modifying CTE; SQLite
+inserts and, on conflict, selects) and the transactional claim (Postgres only: an
+advisory lock folded into the insert).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import orjson
+from sqlalchemy import (
+    ClauseElement,
+    Delete,
+    Dialect,
+    Select,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal_column,
+    null,
+    select,
+    true,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as _asyncpg_dialect
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.dialects.sqlite.aiosqlite import dialect as _aiosqlite_dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ColumnClause
+
+from .base import STATUS_OF, Record, RecordStatus, StoredResponse
+from .schema import UTCDateTime, records
+
+__all__ = [
+    "CLAIM_LOCKED",
+    "COMPLETE",
+    "PG",
+    "RECORD_COLUMNS",
+    "REPLACE_LOCKED",
+    "SQLITE",
+    "Compiled",
+    "as_time",
+    "buckets_query",
+    "count_expired_query",
+    "decode_headers",
+    "encode_headers",
+    "find_query",
+    "get_query",
+    "prune_statement",
+    "sqlite_time",
+    "to_record",
+]
+
+_t = records
+_TIME = UTCDateTime()
+
+_IN_PROGRESS: ColumnClause[Any] = literal_column(f"'{RecordStatus.IN_PROGRESS.value}'")
+_COMPLETED: ColumnClause[Any] = literal_column(f"'{RecordStatus.COMPLETED.value}'")
+
+# The columns a Record is read from, in this order, by every statement that reads one.
+RECORD_COLUMNS = (
+    _t.c.request_hash,
+    _t.c.status,
+    _t.c.token,
+    _t.c.created_at,
+    _t.c.locked_until,
+    _t.c.expires_at,
+    _t.c.response_status,
+    _t.c.response_headers,
+    _t.c.response_body,
+)
+
+# What a claim writes, whether it inserts the row or replaces one.
+_CLAIMED_ROW: dict[str, Any] = {
+    "request_hash": bindparam("request_hash"),
+    "status": _IN_PROGRESS,
+    "token": bindparam("token"),
+    "created_at": bindparam("now", type_=_TIME),
+    "locked_until": bindparam("locked_until", type_=_TIME),
+    "expires_at": bindparam("expires_at", type_=_TIME),
+}
+_NO_RESPONSE = {"response_status": null(), "response_headers": null(), "response_body": null()}
+_KEY = _t.c.key == bindparam("key")
+# Core reserves bind names equal to a column's for an UPDATE's SET clause.
+_WHERE_KEY = _t.c.key == bindparam("where_key")
+
+
+def _pg_claim(lock: bool) -> Select[Any]:
+    """Insert, or return the row in the way, in one statement (and, with ``lock``, under
+    ``pg_try_advisory_xact_lock`` on the key, first).
+
+    The outer SELECT sees the statement's snapshot, so a row committed by a racing
+    claim after it began reads as NULL; the caller then asks again.
+    """
+    rows = select(bindparam("key"), *_CLAIMED_ROW.values())
+    got: Any = true()
+    if lock:
+        # Volatile, so Postgres evaluates it once and before the insert that reads it.
+        # A held lock means another transaction is deciding this key right now.
+        lock_cte = select(
+            func.pg_try_advisory_xact_lock(
+                func.hashtextextended(bindparam("key", type_=_t.c.key.type), literal_column("0"))
+            ).label("got")
+        ).cte("lock")
+        rows = rows.where(select(lock_cte.c.got).scalar_subquery())
+        got = select(lock_cte.c.got).scalar_subquery()
+    ins = (
+        pg_insert(_t)
+        .from_select(["key", *_CLAIMED_ROW], rows)
+        .on_conflict_do_nothing(index_elements=[_t.c.key])
+        .returning(_t.c.key)
+        .cte("ins")
+    )
+    inserted = exists(select(ins.c.key))
+    one = select(literal_column("1").label("one")).subquery("one")
+    return (
+        select(got.label("locked"), inserted.label("inserted"), *RECORD_COLUMNS)
+        .select_from(one)
+        .outerjoin(_t, _KEY & ~inserted & got)
+    )
+
+
+_SQLITE_INSERT: ClauseElement = (
+    sqlite_insert(_t)
+    .values(key=bindparam("key"), **_CLAIMED_ROW)
+    .on_conflict_do_nothing(index_elements=[_t.c.key])
+    .returning(literal_column("1"))
+)
+_SELECT = select(*RECORD_COLUMNS).where(_KEY)
+_OWNED = _WHERE_KEY & (_t.c.token == bindparam("where_token")) & (_t.c.status == _IN_PROGRESS)
+_COMPLETE = (
+    update(_t)
+    .where(_OWNED)
+    .values(
+        status=_COMPLETED,
+        expires_at=bindparam("expires_at", type_=_TIME),
+        response_status=bindparam("response_status"),
+        response_headers=bindparam("response_headers"),
+        response_body=bindparam("response_body"),
+    )
+)
+_RELEASE = delete(_t).where(_OWNED)
+_RENEW = update(_t).where(_OWNED).values(locked_until=bindparam("locked_until", type_=_TIME))
+# Compare-and-swap on the row exactly as it was read: a renewal, a completion or
+# another take-over in between changes one of these, and the swap fails.
+_REPLACE = (
+    update(_t)
+    .where(
+        _WHERE_KEY,
+        _t.c.token == bindparam("old_token"),
+        _t.c.status == bindparam("old_status"),
+        _t.c.locked_until == bindparam("old_locked_until", type_=_TIME),
+    )
+    .values(**_CLAIMED_ROW, **_NO_RESPONSE)
+)
+# Under a transaction's advisory lock nothing else decides the key: replace in place.
+_REPLACE_LOCKED = update(_t).where(_WHERE_KEY).values(**_CLAIMED_ROW, **_NO_RESPONSE)
+
+
+class Compiled:
+    """A statement compiled for one driver: its SQL and the order of its parameters."""
+
+    __slots__ = ("_pick", "names", "sql")
+
+    def __init__(self, stmt: ClauseElement, dialect: Dialect) -> None:
+        compiled = cast(SQLCompiler, stmt.compile(dialect=dialect))
+        self.sql: str = compiled.string
+        self.names: tuple[str, ...] = tuple(compiled.positiontup or ())
+        self._pick = operator.itemgetter(*self.names)
+
+    def args(self, values: dict[str, Any]) -> tuple[Any, ...]:
+        if len(self.names) == 1:  # itemgetter of one name returns the value, not a tuple
+            return (self._pick(values),)
+        return self._pick(values)  # type: ignore[no-any-return]
+
+
+def _compile_all(dialect: Dialect) -> dict[str, Compiled]:
+    stmts: dict[str, ClauseElement] = {
+        "select": _SELECT,
+        "complete": _COMPLETE,
+        "release": _RELEASE,
+        "renew": _RENEW,
+        "replace": _REPLACE,
+    }
+    if dialect.name == "postgresql":
+        stmts["claim"] = _pg_claim(lock=False)
+    else:
+        stmts["claim"] = _SQLITE_INSERT
+    return {name: Compiled(stmt, dialect) for name, stmt in stmts.items()}
+
+
+# Transactional mode runs these through Core, on the request's own connection.
+CLAIM_LOCKED = _pg_claim(lock=True)
+REPLACE_LOCKED = _REPLACE_LOCKED
+COMPLETE = _COMPLETE
+
+PG = _compile_all(_asyncpg_dialect())  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
+SQLITE = _compile_all(_aiosqlite_dialect())
+
+# Off the hot path: Core statements, run on an autocommit connection.
+
+
+def get_query(key: str) -> Select[Any]:
+    return select(*RECORD_COLUMNS).where(_t.c.key == key)
+
+
+def find_query(prefix: str, limit: int) -> Select[Any]:
+    # Keys are hex digests: a prefix has no LIKE metacharacters to escape.
+    return (
+        select(_t.c.key, *RECORD_COLUMNS)
+        .where(_t.c.key.startswith(prefix, autoescape=True))
+        .order_by(_t.c.key)
+        .limit(limit)
+    )
+
+
+def buckets_query(now: datetime) -> Select[Any]:
+    expired = (_t.c.expires_at <= now).label("expired")
+    lease_over = (_t.c.locked_until <= now).label("lease_over")
+    return select(
+        _t.c.status, expired, lease_over, func.count().label("n"), func.min(_t.c.created_at)
+    ).group_by(_t.c.status, expired, lease_over)
+
+
+def count_expired_query(now: datetime) -> Select[Any]:
+    return select(func.count()).select_from(_t).where(_t.c.expires_at <= now)
+
+
+def prune_statement(now: datetime, batch_size: int, *, skip_locked: bool) -> Delete:
+    victims = select(_t.c.key).where(_t.c.expires_at <= now).limit(batch_size)
+    if skip_locked:
+        # Rows a concurrent claim is taking over are skipped, not waited on.
+        victims = victims.with_for_update(skip_locked=True)
+    return delete(_t).where(_t.c.key.in_(victims.scalar_subquery()))
+
+
+# Values across the driver boundary.
+
+
+def encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
+    """Stored-response headers as bytes: a JSON list of latin-1 ``[name, value]`` pairs."""
+    return orjson.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers])
+
+
+def decode_headers(raw: bytes) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple([(k.encode("latin-1"), v.encode("latin-1")) for k, v in orjson.loads(raw)])
+
+
+def sqlite_time(value: datetime) -> str:
+    """SQLAlchemy's SQLite DATETIME storage format (naive UTC, fixed width).
+
+    Rows written by Core and by the hot path then compare correctly as text.
+    """
+    v = value if value.tzinfo is UTC else value.astimezone(UTC)
+    return "%04d-%02d-%02d %02d:%02d:%02d.%06d" % (  # noqa: UP031  # the fastest spelling
+        v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond
+    )  # fmt: skip
+
+
+def as_time(value: Any) -> datetime:
+    """An aware UTC datetime from what a driver returns (asyncpg: aware; SQLite: naive text)."""
+    if type(value) is datetime and value.tzinfo is not None:
+        return value
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    assert isinstance(value, datetime)
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def to_record(key: str, row: Sequence[Any]) -> Record:
+    """A :class:`Record` from ``row``, which holds :data:`RECORD_COLUMNS` in order."""
+    response = None
+    if row[6] is not None:
+        response = StoredResponse(status=row[6], headers=decode_headers(row[7]), body=bytes(row[8]))
+    return Record(
+        key=key,
+        request_hash=row[0],
+        status=STATUS_OF[row[1]],
+        token=row[2],
+        created_at=as_time(row[3]),
+        locked_until=as_time(row[4]),
+        expires_at=as_time(row[5]),
+        response=response,
+    )
