@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from .errors import StoreError
-from .stores.base import BUSY, Busy, Record, RecordStatus
+from .stores.base import BUSY, Busy, NewClaim, Record, RecordStatus
 
 __all__ = [
     "Claim",
@@ -115,27 +115,9 @@ def judge(existing: Record | None, request_hash: str, now: datetime) -> ClaimOut
 class Claimant(Protocol):
     """The two primitives a claim needs: a store, or a transaction of one."""
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | Literal[Busy.BUSY] | None: ...
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None: ...
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool: ...
+    async def replace(self, expected: Record, new: NewClaim) -> bool: ...
 
 
 # A take-over loses a race to another claimant at most a few times; past that something
@@ -160,10 +142,9 @@ async def claim(
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
     """
+    new = NewClaim(key, request_hash, token, now, locked_until, expires_at)
     for _ in range(CLAIM_ATTEMPTS):
-        existing = await store.insert(
-            key, request_hash, token, now=now, locked_until=locked_until, expires_at=expires_at
-        )
+        existing = await store.insert(new)
         if existing is None:
             return CLAIMED
         if existing is BUSY:
@@ -171,9 +152,7 @@ async def claim(
         outcome = judge(existing, request_hash, now)
         if outcome not in _OWNED:
             return Claim(outcome, existing)
-        if await store.replace(
-            existing, request_hash, token, now=now, locked_until=locked_until, expires_at=expires_at
-        ):
+        if await store.replace(existing, new):
             return CLAIMED if outcome is ClaimOutcome.CLAIMED else TAKEN_OVER
     raise StoreError(f"claim did not settle after {CLAIM_ATTEMPTS} attempts")
 

@@ -13,12 +13,13 @@ import functools
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import StoreError
 
 __all__ = [
     "Bucket",
+    "NewClaim",
     "Record",
     "RecordStatus",
     "Store",
@@ -75,6 +76,17 @@ class Busy(enum.Enum):
 BUSY = Busy.BUSY
 
 
+class NewClaim(NamedTuple):
+    """A fresh in-progress claim, as ``insert`` and ``replace`` write it."""
+
+    key: str  # the scoped key: sha256 hex of (principal, client key)
+    request_hash: str
+    token: str  # fences complete/release/renew to this claim
+    now: datetime  # becomes created_at
+    locked_until: datetime
+    expires_at: datetime
+
+
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """Rows grouped by status and by which side of ``now`` their two deadlines fall.
@@ -99,16 +111,7 @@ class Store(Protocol):
     and retention are testable; hosts sharing a store need synchronised clocks (NTP).
     """
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | None:
+    async def insert(self, new: NewClaim) -> Record | None:
         """Insert an in-progress row; ``None`` if inserted, else the row in the way.
 
         The row in the way is returned whatever its state (expired included): the
@@ -116,16 +119,7 @@ class Store(Protocol):
         """
         ...
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool:
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
         """Overwrite ``expected`` with a fresh claim, only if the row is still exactly it.
 
         Compare-and-swap on the row as read (its token, status and lease), so of two
@@ -184,30 +178,12 @@ class StoreTransaction(Protocol):
         """What the handler writes through, as ``request.state.idempotency``."""
         ...
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | Literal[Busy.BUSY] | None:
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         """``None`` if inserted, else the row in the way, or :data:`BUSY` if another
         transaction holds the key's lock."""
         ...
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool: ...
+    async def replace(self, expected: Record, new: NewClaim) -> bool: ...
 
     async def commit(self, key: str, token: str, response: StoredResponse, *,
                      expires_at: datetime) -> None:  # fmt: skip

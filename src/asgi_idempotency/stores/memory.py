@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .base import STATUS_OF, Bucket, Record, RecordStatus, StoredResponse
+from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
 
 __all__ = ["MemoryStore"]
 
@@ -22,6 +22,11 @@ def _record(key: str, row: _Row) -> Record:
     return Record(key, row[0], STATUS_OF[row[1]], row[2], row[3], row[4], row[5], response)
 
 
+def _claimed(new: NewClaim) -> _Row:
+    return (new.request_hash, _IN_PROGRESS, new.token, new.now, new.locked_until,
+            new.expires_at, None)  # fmt: skip
+
+
 class MemoryStore:
     """A dict of records. Atomic because no method awaits between read and write.
 
@@ -31,32 +36,14 @@ class MemoryStore:
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | None:
-        row = self._rows.get(key)
+    async def insert(self, new: NewClaim) -> Record | None:
+        row = self._rows.get(new.key)
         if row is not None:
-            return _record(key, row)
-        self._rows[key] = (request_hash, _IN_PROGRESS, token, now, locked_until, expires_at, None)
+            return _record(new.key, row)
+        self._rows[new.key] = _claimed(new)
         return None
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool:
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
         key = expected.key
         row = self._rows.get(key)
         if (
@@ -66,7 +53,7 @@ class MemoryStore:
             or row[4] != expected.locked_until
         ):
             return False
-        self._rows[key] = (request_hash, _IN_PROGRESS, token, now, locked_until, expires_at, None)
+        self._rows[key] = _claimed(new)
         return True
 
     def _owned(self, key: str, token: str) -> _Row | None:

@@ -28,7 +28,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from ..errors import StoreError
-from .base import BUSY, Busy, Record, StoredResponse
+from .base import BUSY, Busy, NewClaim, Record, StoredResponse
 from .sqlerrors import DRIVER_ERRORS, PG_BROKEN, breaks, translate
 from .statements import (
     CLAIM_LOCKED,
@@ -213,20 +213,6 @@ class IdempotencyTransaction:
     session: AsyncSession
 
 
-def _claim_values(
-    key: str, request_hash: str, token: str, now: datetime, locked_until: datetime,
-    expires_at: datetime,
-) -> dict[str, Any]:  # fmt: skip
-    return {
-        "key": key,
-        "request_hash": request_hash,
-        "token": token,
-        "now": now,
-        "locked_until": locked_until,
-        "expires_at": expires_at,
-    }
-
-
 class PostgresTransaction:
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
@@ -240,19 +226,9 @@ class PostgresTransaction:
         self._conn = conn
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | Literal[Busy.BUSY] | None:
-        values = _claim_values(key, request_hash, token, now, locked_until, expires_at)
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         try:
-            row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            row = (await self._conn.execute(CLAIM_LOCKED, new._asdict())).one()
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
         if not row[0]:
@@ -261,20 +237,11 @@ class PostgresTransaction:
             return None
         # Under the lock the row in the way is visible unless it was deleted since this
         # statement's snapshot; then the retry's insert wins it.
-        return None if row[2] is None else to_record(key, tuple(row)[2:])
+        return None if row[2] is None else to_record(new.key, tuple(row)[2:])
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool:
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
         # Under the key's lock nothing else decides it: no compare-and-swap needed.
-        values = _claim_values(expected.key, request_hash, token, now, locked_until, expires_at)
+        values = new._asdict()
         values["where_key"] = values.pop("key")
         try:
             result = await self._conn.execute(REPLACE_LOCKED, values)

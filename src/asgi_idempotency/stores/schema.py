@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from sqlalchemy import (
     Column,
     DateTime,
@@ -19,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import TypeDecorator
 
-__all__ = ["UTCDateTime", "decode_headers", "encode_headers", "metadata", "records"]
+__all__ = ["UTCDateTime", "metadata", "records"]
 
 metadata = MetaData()
 
@@ -47,22 +46,6 @@ class UTCDateTime(TypeDecorator[datetime]):
             return None
         assert isinstance(value, datetime)
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value
-
-    def from_db(self, value: Any) -> datetime:
-        """An aware UTC datetime from a raw driver value (for rows read without Core typing)."""
-        if isinstance(value, str):  # SQLite text, when read through the bare driver
-            value = datetime.fromisoformat(value)
-        assert isinstance(value, datetime)
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-def encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
-    """Stored-response headers as bytes: a JSON list of latin-1 ``[name, value]`` pairs."""
-    return orjson.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers])
-
-
-def decode_headers(raw: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    return tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in orjson.loads(raw))
 
 
 records = Table(

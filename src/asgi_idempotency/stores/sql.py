@@ -25,7 +25,7 @@ from sqlalchemy import Executable, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import StoreError
-from .base import STATUS_OF, Bucket, Record, StoredResponse
+from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .schema import metadata
 from .sqlerrors import DRIVER_ERRORS, translate
@@ -132,55 +132,33 @@ class SQLStore:
 
     # The hot path: one prepared statement on the driver connection each.
 
-    async def insert(
-        self,
-        key: str,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> Record | None:
+    def _claim_values(self, new: NewClaim) -> dict[str, Any]:
         when = self._time
-        values = {
-            "key": key,
-            "request_hash": request_hash,
-            "token": token,
-            "now": when(now),
-            "locked_until": when(locked_until),
-            "expires_at": when(expires_at),
+        return {
+            "request_hash": new.request_hash,
+            "token": new.token,
+            "now": when(new.now),
+            "locked_until": when(new.locked_until),
+            "expires_at": when(new.expires_at),
         }
+
+    async def insert(self, new: NewClaim) -> Record | None:
+        values = self._claim_values(new)
+        values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
             inserted, row = await self._driver.claim(values)
             if inserted:
                 return None
             if row is not None:
-                return to_record(key, row)
+                return to_record(new.key, row)
         raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")
 
-    async def replace(
-        self,
-        expected: Record,
-        request_hash: str,
-        token: str,
-        *,
-        now: datetime,
-        locked_until: datetime,
-        expires_at: datetime,
-    ) -> bool:
-        when = self._time
-        values = {
-            "where_key": expected.key,
-            "request_hash": request_hash,
-            "token": token,
-            "now": when(now),
-            "locked_until": when(locked_until),
-            "expires_at": when(expires_at),
-            "old_token": expected.token,
-            "old_status": expected.status.value,
-            "old_locked_until": when(expected.locked_until),
-        }
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
+        values = self._claim_values(new)
+        values["where_key"] = expected.key
+        values["old_token"] = expected.token
+        values["old_status"] = expected.status.value
+        values["old_locked_until"] = self._time(expected.locked_until)
         return await self._driver.rowcount("replace", values) == 1
 
     async def complete(
