@@ -2,45 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import asgi_idempotency.client as client
 from asgi_idempotency.client import keys, ledger, retry, transport
-
-SRC = Path(__file__).parents[2] / "src"
-
-# A meta path finder that makes the named top-level packages unimportable, as if
-# they were not installed.
-_BLOCKER = """
-import sys
-BLOCKED = set(sys.argv[1].split(","))
-
-class Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked for this test")
-        return None
-
-sys.meta_path.insert(0, Blocker())
-"""
-
-
-def _run(blocked: str, body: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", _BLOCKER + body, blocked],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PYTHONPATH": str(SRC), "PATH": ""},
-    )
+from tests.client._blocking import run_without
 
 
 def test_importable_without_starlette_sqlalchemy_httpx_or_stamina() -> None:
-    done = _run(
+    done = run_without(
         "starlette,sqlalchemy,httpx,stamina,fastapi",
         "import asgi_idempotency.client as c\n"
         "key = c.derive_key('run', 0, 'refund', {'amount': 4500})\n"
@@ -56,7 +26,7 @@ def test_importable_without_starlette_sqlalchemy_httpx_or_stamina() -> None:
 
 
 def test_transport_needs_only_httpx_and_stamina() -> None:
-    done = _run(
+    done = run_without(
         "starlette,sqlalchemy",
         "from asgi_idempotency.client import AsyncIdempotentTransport, RetryPolicy, retryable\n"
         "assert 'starlette' not in sys.modules and 'sqlalchemy' not in sys.modules\n"
@@ -72,7 +42,7 @@ def test_transport_needs_only_httpx_and_stamina() -> None:
 
 def test_the_blocker_really_blocks() -> None:
     """Guard against a test that passes because the finder does nothing."""
-    done = _run("starlette", "import starlette\n")
+    done = run_without("starlette", "import starlette\n")
     assert done.returncode != 0
     assert "blocked for this test" in done.stderr
 
