@@ -40,6 +40,47 @@ def test_transport_needs_only_httpx_and_stamina() -> None:
     assert done.stdout.strip() == "ok"
 
 
+CLIENT_EXTRA = "pip install 'asgi-idempotency[client]'"
+# The statements a user writes, and the packages of the client extra each one needs.
+NEEDS_THE_EXTRA = [
+    ("from asgi_idempotency.client import AsyncIdempotentTransport", "httpx"),
+    ("from asgi_idempotency.client import AsyncIdempotentTransport", "stamina"),
+    ("from asgi_idempotency.client import IdempotentTransport", "httpx"),
+    ("from asgi_idempotency.client import IdempotentTransport", "stamina"),
+    ("from asgi_idempotency.client import random_key", "stamina"),
+    ("from asgi_idempotency.client import retryable", "httpx"),
+    ("from asgi_idempotency.client import RetriesExhausted", "httpx"),
+    ("from asgi_idempotency.client import OutboundLedger", "httpx"),
+    ("from asgi_idempotency.client import OutboundLedger", "stamina"),
+    ("from asgi_idempotency.client import OutboundLedger", "anyio"),
+    ("import asgi_idempotency.client.transport", "stamina"),
+    ("import asgi_idempotency.client.retry", "httpx"),
+    ("import asgi_idempotency.client; asgi_idempotency.client.IdempotentTransport", "httpx"),
+]
+
+
+@pytest.mark.parametrize(("statement", "missing"), NEEDS_THE_EXTRA)
+def test_a_missing_client_extra_is_named(statement: str, missing: str) -> None:
+    done = run_without(
+        missing,
+        f"try:\n    {statement}\nexcept ImportError as exc:\n    print(repr(exc))\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ImportError("), done.stdout
+    assert CLIENT_EXTRA in done.stdout
+
+
+def test_the_classification_needs_httpx_but_not_stamina() -> None:
+    done = run_without(
+        "stamina",
+        "from asgi_idempotency.client import Decision, RetryPolicy, retryable\n"
+        "assert 'stamina' not in sys.modules\n"
+        "print('ok')\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_the_blocker_really_blocks() -> None:
     """Guard against a test that passes because the finder does nothing."""
     done = run_without("starlette", "import starlette\n")

@@ -34,7 +34,12 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Final, TypedDict
 
-import httpx
+try:
+    import httpx
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "asgi_idempotency.client.retry needs httpx: pip install 'asgi-idempotency[client]'"
+    ) from exc
 
 __all__ = ["AttemptRecord", "Decision", "RetriesExhausted", "RetryPolicy", "retryable"]
 

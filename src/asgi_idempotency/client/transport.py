@@ -18,8 +18,14 @@ from __future__ import annotations
 import uuid
 from typing import NoReturn, Protocol
 
-import httpx
-import stamina
+try:
+    import httpx
+    import stamina
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "asgi_idempotency.client.transport needs httpx and stamina: "
+        "pip install 'asgi-idempotency[client]'"
+    ) from exc
 
 from asgi_idempotency.client.retry import (
     _IDEMPOTENT_METHODS,
