@@ -2,6 +2,12 @@
 
 Server names are imported lazily so that ``asgi_idempotency.client`` works in
 processes without Starlette or SQLAlchemy installed.
+
+``__all__`` holds only names that a plain install can import, so
+``from asgi_idempotency import *`` works without any extra. Names that need an
+extra (``PrometheusMetrics``, the ``prometheus`` extra) are still attributes of the
+package; their first use raises :class:`ImportError` naming the extra when it is
+not installed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ if TYPE_CHECKING:
         RequestInProgress,
         StoreUnavailable,
     )
-    from .prometheus import PrometheusMetrics
+    from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         Claim,
@@ -54,7 +60,8 @@ __all__ = [
     "MissingKey",
     "Outcome",
     "Policy",
-    "PrometheusMetrics",
+    # Not "PrometheusMetrics": it needs the prometheus extra, and star import must
+    # work without it. It stays reachable as an attribute, through _WHERE.
     "Pruner",
     "PruningMiddleware",
     "Record",
@@ -119,4 +126,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_WHERE})
