@@ -70,6 +70,32 @@ def test_an_extra_missing_on_first_use_is_named() -> None:
     assert "pip install 'asgi-idempotency[prometheus]'" in done.stdout
 
 
+LOG_FROM_THE_PACKAGE = (
+    "import logging\n"
+    "import asgi_idempotency\n"
+    "logging.getLogger('asgi_idempotency').error('idempotency.store_error')\n"
+    "logging.getLogger('asgi_idempotency.stores').warning('idempotency.child')\n"
+)
+
+
+def test_the_package_prints_nothing_when_the_application_configures_no_logging() -> None:
+    # Without a handler of its own, Python's last-resort handler prints WARNING and up.
+    done = run_without(NOT_ON_A_PLAIN_INSTALL, LOG_FROM_THE_PACKAGE)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_the_package_logs_reach_the_handlers_the_application_configures() -> None:
+    done = run_without(
+        NOT_ON_A_PLAIN_INSTALL, "import logging\nlogging.basicConfig()\n" + LOG_FROM_THE_PACKAGE
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "ERROR:asgi_idempotency:idempotency.store_error",
+        "WARNING:asgi_idempotency.stores:idempotency.child",
+    ]
+
+
 def test_unknown_attribute_raises() -> None:
     with pytest.raises(AttributeError, match="nope"):
         asgi_idempotency.nope  # type: ignore[attr-defined]  # noqa: B018

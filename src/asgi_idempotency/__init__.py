@@ -13,6 +13,7 @@ not installed.
 from __future__ import annotations
 
 import importlib
+import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,11 @@ _WHERE = {
     "MemoryStore": ".stores.memory",
     "SQLStore": ".stores.sql",
 }
+
+# A library leaves log output to the application: without a handler of its own, a
+# process that configures no logging gets WARNING and up printed by Python's
+# last-resort handler. See the logging HOWTO, "Configuring Logging for a Library".
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 try:
     __version__ = version("asgi-idempotency")
