@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 
 import asgi_idempotency
+from tests.client._blocking import run_without
+
+# What a plain ``pip install asgi-idempotency`` lacks: the packages of the extras.
+NOT_ON_A_PLAIN_INSTALL = "prometheus_client,httpx,stamina,uvicorn"
 
 
 def test_all_is_sorted_and_importable() -> None:
@@ -27,6 +31,69 @@ def test_every_public_class_of_the_modules_is_exported() -> None:
         for name in module.__all__:
             if name[0].isupper() and name not in ("ResolvedRoute", "MetricsSink"):
                 assert name in asgi_idempotency.__all__, f"{module.__name__}.{name}"
+
+
+def test_the_names_of_an_extra_are_reachable_but_not_star_exported() -> None:
+    # In __all__ they would make ``from asgi_idempotency import *`` fail without the extra.
+    from asgi_idempotency import prometheus
+
+    for name in prometheus.__all__:
+        assert name not in asgi_idempotency.__all__, name
+        assert getattr(asgi_idempotency, name) is getattr(prometheus, name), name
+        assert name in dir(asgi_idempotency), name
+
+
+def test_star_import_works_on_a_plain_install() -> None:
+    done = run_without(
+        NOT_ON_A_PLAIN_INSTALL,
+        "from asgi_idempotency import *\n"
+        "import asgi_idempotency\n"
+        "missing = [n for n in asgi_idempotency.__all__ if n not in globals()]\n"
+        "assert not missing, missing\n"
+        "print('ok')\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_an_extra_missing_on_first_use_is_named() -> None:
+    done = run_without(
+        NOT_ON_A_PLAIN_INSTALL,
+        "import asgi_idempotency\n"
+        "try:\n"
+        "    asgi_idempotency.PrometheusMetrics\n"
+        "except ImportError as exc:\n"
+        "    print(repr(exc))\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ImportError("), done.stdout
+    assert "pip install 'asgi-idempotency[prometheus]'" in done.stdout
+
+
+LOG_FROM_THE_PACKAGE = (
+    "import logging\n"
+    "import asgi_idempotency\n"
+    "logging.getLogger('asgi_idempotency').error('idempotency.store_error')\n"
+    "logging.getLogger('asgi_idempotency.stores').warning('idempotency.child')\n"
+)
+
+
+def test_the_package_prints_nothing_when_the_application_configures_no_logging() -> None:
+    # Without a handler of its own, Python's last-resort handler prints WARNING and up.
+    done = run_without(NOT_ON_A_PLAIN_INSTALL, LOG_FROM_THE_PACKAGE)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+def test_the_package_logs_reach_the_handlers_the_application_configures() -> None:
+    done = run_without(
+        NOT_ON_A_PLAIN_INSTALL, "import logging\nlogging.basicConfig()\n" + LOG_FROM_THE_PACKAGE
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "ERROR:asgi_idempotency:idempotency.store_error",
+        "WARNING:asgi_idempotency.stores:idempotency.child",
+    ]
 
 
 def test_unknown_attribute_raises() -> None:

@@ -2,11 +2,18 @@
 
 Server names are imported lazily so that ``asgi_idempotency.client`` works in
 processes without Starlette or SQLAlchemy installed.
+
+``__all__`` holds only names that a plain install can import, so
+``from asgi_idempotency import *`` works without any extra. Names that need an
+extra (``PrometheusMetrics``, the ``prometheus`` extra) are still attributes of the
+package; their first use raises :class:`ImportError` naming the extra when it is
+not installed.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +33,11 @@ if TYPE_CHECKING:
     from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
     from .middleware import IdempotencyMiddleware
     from .policy import Policy, idempotent
-    from .prometheus import PrometheusMetrics
+    from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         Bucket,
+        NewClaim,
         Record,
         RecordStatus,
         Store,
@@ -55,9 +63,11 @@ __all__ = [
     "MemoryStore",
     "MetricsSnapshot",
     "MissingKey",
+    "NewClaim",
     "Outcome",
     "Policy",
-    "PrometheusMetrics",
+    # Not "PrometheusMetrics": it needs the prometheus extra, and star import must
+    # work without it. It stays reachable as an attribute, through _WHERE.
     "Pruner",
     "PruningMiddleware",
     "Record",
@@ -103,6 +113,7 @@ _WHERE = {
     "ClaimOutcome": ".lifecycle",
     "RecordState": ".lifecycle",
     "Bucket": ".stores.base",
+    "NewClaim": ".stores.base",
     "StoreTransaction": ".stores.base",
     "Record": ".stores.base",
     "RecordStatus": ".stores.base",
@@ -112,6 +123,11 @@ _WHERE = {
     "MemoryStore": ".stores.memory",
     "SQLStore": ".stores.sql",
 }
+
+# A library leaves log output to the application: without a handler of its own, a
+# process that configures no logging gets WARNING and up printed by Python's
+# last-resort handler. See the logging HOWTO, "Configuring Logging for a Library".
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 try:
     __version__ = version("asgi-idempotency")
@@ -129,4 +145,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_WHERE})

@@ -2,45 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import asgi_idempotency.client as client
 from asgi_idempotency.client import keys, ledger, retry, transport
-
-SRC = Path(__file__).parents[2] / "src"
-
-# A meta path finder that makes the named top-level packages unimportable, as if
-# they were not installed.
-_BLOCKER = """
-import sys
-BLOCKED = set(sys.argv[1].split(","))
-
-class Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked for this test")
-        return None
-
-sys.meta_path.insert(0, Blocker())
-"""
-
-
-def _run(blocked: str, body: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", _BLOCKER + body, blocked],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PYTHONPATH": str(SRC), "PATH": ""},
-    )
+from tests.client._blocking import run_without
 
 
 def test_importable_without_starlette_sqlalchemy_httpx_or_stamina() -> None:
-    done = _run(
+    done = run_without(
         "starlette,sqlalchemy,httpx,stamina,fastapi",
         "import asgi_idempotency.client as c\n"
         "key = c.derive_key('run', 0, 'refund', {'amount': 4500})\n"
@@ -56,7 +26,7 @@ def test_importable_without_starlette_sqlalchemy_httpx_or_stamina() -> None:
 
 
 def test_transport_needs_only_httpx_and_stamina() -> None:
-    done = _run(
+    done = run_without(
         "starlette,sqlalchemy",
         "from asgi_idempotency.client import AsyncIdempotentTransport, RetryPolicy, retryable\n"
         "assert 'starlette' not in sys.modules and 'sqlalchemy' not in sys.modules\n"
@@ -70,9 +40,50 @@ def test_transport_needs_only_httpx_and_stamina() -> None:
     assert done.stdout.strip() == "ok"
 
 
+CLIENT_EXTRA = "pip install 'asgi-idempotency[client]'"
+# The statements a user writes, and the packages of the client extra each one needs.
+NEEDS_THE_EXTRA = [
+    ("from asgi_idempotency.client import AsyncIdempotentTransport", "httpx"),
+    ("from asgi_idempotency.client import AsyncIdempotentTransport", "stamina"),
+    ("from asgi_idempotency.client import IdempotentTransport", "httpx"),
+    ("from asgi_idempotency.client import IdempotentTransport", "stamina"),
+    ("from asgi_idempotency.client import random_key", "stamina"),
+    ("from asgi_idempotency.client import retryable", "httpx"),
+    ("from asgi_idempotency.client import RetriesExhausted", "httpx"),
+    ("from asgi_idempotency.client import OutboundLedger", "httpx"),
+    ("from asgi_idempotency.client import OutboundLedger", "stamina"),
+    ("from asgi_idempotency.client import OutboundLedger", "anyio"),
+    ("import asgi_idempotency.client.transport", "stamina"),
+    ("import asgi_idempotency.client.retry", "httpx"),
+    ("import asgi_idempotency.client; asgi_idempotency.client.IdempotentTransport", "httpx"),
+]
+
+
+@pytest.mark.parametrize(("statement", "missing"), NEEDS_THE_EXTRA)
+def test_a_missing_client_extra_is_named(statement: str, missing: str) -> None:
+    done = run_without(
+        missing,
+        f"try:\n    {statement}\nexcept ImportError as exc:\n    print(repr(exc))\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ImportError("), done.stdout
+    assert CLIENT_EXTRA in done.stdout
+
+
+def test_the_classification_needs_httpx_but_not_stamina() -> None:
+    done = run_without(
+        "stamina",
+        "from asgi_idempotency.client import Decision, RetryPolicy, retryable\n"
+        "assert 'stamina' not in sys.modules\n"
+        "print('ok')\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_the_blocker_really_blocks() -> None:
     """Guard against a test that passes because the finder does nothing."""
-    done = _run("starlette", "import starlette\n")
+    done = run_without("starlette", "import starlette\n")
     assert done.returncode != 0
     assert "blocked for this test" in done.stderr
 

@@ -139,6 +139,79 @@ def test_http_status_error_is_judged_by_its_response() -> None:
     assert not retryable(error, has_key=True).retry
 
 
+KEYED = httpx.Request("POST", "http://127.0.0.1/refunds", headers={"Idempotency-Key": "k1"})
+
+
+def test_an_exception_with_a_keyed_request_is_retried_without_has_key() -> None:
+    decision = retryable(httpx.ReadTimeout("slow", request=KEYED))
+    assert decision == Decision(
+        True, "ReadTimeout: the server may have acted; retrying under the same key"
+    )
+
+
+def test_an_exception_with_an_unkeyed_post_is_not_retried() -> None:
+    decision = retryable(httpx.ReadTimeout("slow", request=REQUEST))
+    assert not decision.retry
+    assert "not retried without an idempotency key" in decision.reason
+
+
+def test_a_response_with_a_keyed_request_is_retried_without_has_key() -> None:
+    assert retryable(httpx.Response(503, request=KEYED)).retry
+    assert retryable(httpx.Response(409, request=KEYED)).retry
+    assert not retryable(_response(503)).retry  # REQUEST: a POST without a key
+
+
+def test_the_key_header_is_matched_case_insensitively() -> None:
+    lower = httpx.Request("POST", "http://127.0.0.1/refunds", headers={"idempotency-key": "k1"})
+    assert retryable(httpx.ReadError("reset", request=lower)).retry
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"])
+def test_an_idempotent_method_repeats_safely_without_a_key(method: str) -> None:
+    request = httpx.Request(method, "http://127.0.0.1/refunds/1")
+    assert retryable(httpx.ReadTimeout("slow", request=request)).retry
+    assert retryable(httpx.Response(504, request=request)).retry
+
+
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_a_non_idempotent_method_without_a_key_does_not(method: str) -> None:
+    request = httpx.Request(method, "http://127.0.0.1/refunds/1")
+    assert not retryable(httpx.ReadTimeout("slow", request=request)).retry
+    assert not retryable(httpx.Response(504, request=request)).retry
+
+
+def test_an_explicit_has_key_beats_the_attached_request() -> None:
+    assert not retryable(httpx.ReadTimeout("slow", request=KEYED), has_key=False).retry
+    assert not retryable(httpx.Response(503, request=KEYED), has_key=False).retry
+    assert retryable(httpx.ReadTimeout("slow", request=REQUEST), has_key=True).retry
+    assert retryable(httpx.Response(503, request=REQUEST), has_key=True).retry
+
+
+def test_an_http_status_error_reads_the_request_of_its_response() -> None:
+    error = httpx.HTTPStatusError("", request=KEYED, response=httpx.Response(502, request=KEYED))
+    assert retryable(error).retry
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [TimeoutError(), httpx.ReadTimeout("slow"), httpx.Response(503)],
+    ids=["builtin TimeoutError", "ReadTimeout without request", "503 without request"],
+)
+def test_without_an_attached_request_there_is_no_key(
+    outcome: BaseException | httpx.Response,
+) -> None:
+    # Conservative: nothing says the request repeats safely, so it is not resent.
+    decision = retryable(outcome)
+    assert not decision.retry
+    assert "not retried without an idempotency key" in decision.reason
+    assert retryable(outcome, has_key=True).retry
+
+
+def test_without_a_request_outcomes_that_need_no_key_are_still_retried() -> None:
+    assert retryable(httpx.ConnectError("refused")).retry
+    assert retryable(httpx.Response(429)).retry
+
+
 def test_decision_is_frozen() -> None:
     decision = Decision(True, "x")
     with pytest.raises(AttributeError):

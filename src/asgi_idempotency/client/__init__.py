@@ -19,7 +19,9 @@ Errors::
 Only :func:`derive_key` and :func:`canonical_json` are imported eagerly (they need
 orjson alone). The retry and transport names load httpx and stamina on first use,
 the ledger names sqlalchemy, so ``import asgi_idempotency.client`` works without
-the server's dependencies (starlette, sqlalchemy) or the client extra.
+the server's dependencies (starlette, sqlalchemy) or the client extra. Without the
+extra, the first use of a name that needs it raises :class:`ImportError` saying
+``pip install 'asgi-idempotency[client]'``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,12 @@
 
 :func:`retryable` looks at one outcome (an exception or an :class:`httpx.Response`)
 and answers with a :class:`Decision`. It never sleeps and never sends; the loop
-that acts on it is stamina's (see :mod:`asgi_idempotency.client.transport`).
+that acts on it is stamina's (see :mod:`asgi_idempotency.client.transport`)::
+
+    try:
+        response = client.post(url, json=args, headers={"Idempotency-Key": key})
+    except httpx.HTTPError as exc:
+        decision = retryable(exc)  # has a key? read from exc.request: header or method
 
 The one question that matters is whether the server may already have acted::
 
@@ -29,9 +34,20 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Final, TypedDict
 
-import httpx
+try:
+    import httpx
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "asgi_idempotency.client.retry needs httpx: pip install 'asgi-idempotency[client]'"
+    ) from exc
 
 __all__ = ["AttemptRecord", "Decision", "RetriesExhausted", "RetryPolicy", "retryable"]
+
+IDEMPOTENCY_KEY_HEADER: Final = "Idempotency-Key"
+
+# RFC 9110 9.2.2: repeating these has the effect of sending them once, so an
+# ambiguous failure may be retried without a key.
+_IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +251,7 @@ _DELTA_SECONDS: Final = re.compile(r"[0-9]+")
 def retryable(
     outcome: BaseException | httpx.Response,
     *,
-    has_key: bool,
+    has_key: bool | None = None,
     now: datetime | None = None,
 ) -> Decision:
     """Classify one outcome of sending a request.
@@ -243,9 +259,17 @@ def retryable(
     Args:
         outcome: The exception an attempt raised, or the response it returned. An
             :class:`httpx.HTTPStatusError` is judged by its response.
-        has_key: The request repeats safely: it carries an ``Idempotency-Key`` the
-            server honours, or its method is idempotent (PUT, DELETE, GET, ...).
-            Without it, outcomes after which the server may have acted are not retried.
+        has_key: Whether the request repeats safely. Without that, outcomes after
+            which the server may have acted are not retried. Default ``None``: read
+            it from the request httpx attached to the outcome
+            (:attr:`httpx.RequestError.request` or :attr:`httpx.Response.request`),
+            which repeats safely when it carries an ``Idempotency-Key`` header or
+            its method is idempotent (GET, HEAD, OPTIONS, TRACE, PUT, DELETE). An
+            outcome without an attached request (a builtin :class:`TimeoutError`,
+            an exception or response built by hand or by a transport before the
+            client attaches the request) counts as having no key. Pass ``True``
+            or ``False`` to decide it yourself; an explicit value wins over the
+            attached request.
         now: Timezone-aware "now" for an HTTP-date ``Retry-After``. Default: the
             current UTC time.
 
@@ -254,6 +278,9 @@ def retryable(
     """
     if isinstance(outcome, httpx.HTTPStatusError):
         outcome = outcome.response
+    if has_key is None:
+        request = _attached_request(outcome)
+        has_key = request is not None and _repeats_safely(request)
     if isinstance(outcome, httpx.Response):
         return _classify_response(outcome, has_key=has_key, now=now)
     if isinstance(outcome, _NOT_SENT):
@@ -261,6 +288,22 @@ def retryable(
     if isinstance(outcome, _AMBIGUOUS):
         return _ambiguous(f"{type(outcome).__name__}: the server may have acted", has_key)
     return Decision(False, f"{type(outcome).__name__}: not a transient failure")
+
+
+def _attached_request(outcome: BaseException | httpx.Response) -> httpx.Request | None:
+    """The request httpx attached to ``outcome``, or ``None``."""
+    if not isinstance(outcome, httpx.Response | httpx.RequestError):
+        return None
+    try:
+        return outcome.request
+    except RuntimeError:
+        # httpx raises rather than return None when the request was never set: the
+        # client attaches it only after the transport returns or raises.
+        return None
+
+
+def _repeats_safely(request: httpx.Request) -> bool:
+    return IDEMPOTENCY_KEY_HEADER in request.headers or request.method in _IDEMPOTENT_METHODS
 
 
 def _ambiguous(what: str, has_key: bool, delay: float | None = None) -> Decision:

@@ -16,12 +16,20 @@ Sitting below the client matters: httpx has already put the client's timeouts in
 from __future__ import annotations
 
 import uuid
-from typing import Final, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
-import httpx
-import stamina
+try:
+    import httpx
+    import stamina
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "asgi_idempotency.client.transport needs httpx and stamina: "
+        "pip install 'asgi-idempotency[client]'"
+    ) from exc
 
 from asgi_idempotency.client.retry import (
+    _IDEMPOTENT_METHODS,
+    IDEMPOTENCY_KEY_HEADER,
     RetriesExhausted,
     RetryPolicy,
     _AttemptLog,
@@ -35,12 +43,6 @@ __all__ = [
     "KeyFunction",
     "random_key",
 ]
-
-IDEMPOTENCY_KEY_HEADER: Final = "Idempotency-Key"
-
-# RFC 9110 9.2.2: repeating these has the effect of sending them once, so an
-# ambiguous failure may be retried without a key.
-_IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 class KeyFunction(Protocol):
@@ -82,6 +84,8 @@ class _Run:
         self.request = request
         self.key = key
         # Without a key only an idempotent method may be resent after an ambiguous failure.
+        # Passed to retryable() explicitly: below the client, the inner transport's
+        # exceptions and responses do not carry the request yet.
         self.repeatable = key is not None or request.method in _IDEMPOTENT_METHODS
         self.log = _AttemptLog(policy)
 
