@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
 from asgi_idempotency import InMemoryMetrics, Outcome, Policy, SQLStore
@@ -151,9 +152,26 @@ def test_listed_routes_are_exposed_at_zero_before_any_request() -> None:
     assert exposed == {("/pay", o.value): 0.0 for o in Outcome}
 
 
-def test_one_registry_holds_the_counter_once() -> None:
+def test_instances_on_one_registry_and_prefix_share_the_counter() -> None:
     registry = CollectorRegistry()
-    PrometheusMetrics(registry)
+    first = PrometheusMetrics(registry)
+    second = PrometheusMetrics(registry, routes=["/late"])  # no "Duplicated timeseries"
+    other_prefix = PrometheusMetrics(registry, prefix="other")
+    other_registry = PrometheusMetrics(CollectorRegistry())
+    assert second.requests is first.requests
+    assert other_prefix.requests is not first.requests
+    assert other_registry.requests is not first.requests
+
+    first.observe("/pay", Outcome.EXECUTED)
+    second.observe("/pay", Outcome.EXECUTED)
+    exposed = samples(generate_latest(registry).decode())
+    assert exposed[("/pay", "executed")] == 2.0
+    assert exposed[("/late", "replayed")] == 0.0  # the second instance's routes, up front
+
+
+def test_a_name_taken_by_another_collector_is_still_refused() -> None:
+    registry = CollectorRegistry()
+    PromCounter("idempotency_requests", "someone else's", registry=registry)
     with pytest.raises(ValueError, match="Duplicated"):
         PrometheusMetrics(registry)
 

@@ -16,6 +16,8 @@ This is the only module that imports ``prometheus_client``.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterable
 
 from .asgi import ASGIApp
@@ -31,15 +33,41 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 __all__ = ["PrometheusMetrics"]
 
+# The counters this module registered, per registry and prefix. A registry takes a
+# name once, so a second PrometheusMetrics on the same registry and prefix (two apps,
+# or two middlewares, in one process) reuses the first one's counter and the counts
+# add up. Weak keys: a registry that is dropped takes its entries with it, and an
+# id() reused by a later registry cannot hand it a counter it does not hold.
+_counters: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter]] = (
+    weakref.WeakKeyDictionary()
+)
+_counters_lock = threading.Lock()
+
+
+def _requests_counter(registry: CollectorRegistry, prefix: str) -> Counter:
+    with _counters_lock:
+        by_prefix = _counters.setdefault(registry, {})
+        counter = by_prefix.get(prefix)
+        if counter is None:
+            # prometheus_client appends the _total suffix to counters.
+            counter = Counter(
+                f"{prefix}_requests",
+                "Requests on idempotency-guarded routes, by route template and outcome.",
+                ("route", "outcome"),
+                registry=registry,
+            )
+            by_prefix[prefix] = counter
+        return counter
+
 
 class PrometheusMetrics:
     """A :class:`~asgi_idempotency.metrics.MetricsSink` that counts into a Prometheus registry.
 
     Args:
         registry: where the counter is registered (default: ``prometheus_client.REGISTRY``,
-            the one the usual ``/metrics`` endpoints expose). A name can be registered
-            once per registry, so create one instance per registry and share it between
-            apps in the process.
+            the one the usual ``/metrics`` endpoints expose). Instances on the same
+            registry and prefix share one counter, so several apps or middlewares in
+            one process can each create their own and their counts add up.
         prefix: metric name prefix (default ``"idempotency"`` →
             ``idempotency_requests_total``).
         routes: route templates to create every ``(route, outcome)`` series for up
@@ -47,7 +75,8 @@ class PrometheusMetrics:
             event. Optional; unlisted routes appear on first use.
 
     Raises:
-        ValueError: the metric name is already registered in ``registry``.
+        ValueError: something other than a ``PrometheusMetrics`` already registered
+            the metric name in ``registry``.
     """
 
     def __init__(
@@ -58,13 +87,7 @@ class PrometheusMetrics:
         routes: Iterable[str] = (),
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
-        # prometheus_client appends the _total suffix to counters.
-        self.requests = Counter(
-            f"{prefix}_requests",
-            "Requests on idempotency-guarded routes, by route template and outcome.",
-            ("route", "outcome"),
-            registry=self.registry,
-        )
+        self.requests = _requests_counter(self.registry, prefix)
         for route in routes:
             for outcome in Outcome:
                 self.requests.labels(route=route, outcome=outcome.value)
