@@ -6,15 +6,28 @@ import asyncio
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from fastapi import FastAPI
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from asgi_idempotency import InMemoryMetrics, Outcome, Policy, SQLStore
+from asgi_idempotency import (
+    IdempotencyMiddleware,
+    InMemoryMetrics,
+    MemoryStore,
+    Outcome,
+    Policy,
+    SQLStore,
+)
 from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
@@ -24,6 +37,7 @@ pytestmark = pytest.mark.anyio
 UNREACHABLE = "postgresql+asyncpg://postgres@127.0.0.1:9/x"
 RAW_KEY = "raw-key-SECRET-4242"
 BODY_MARK = "BODY-SECRET-1717"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
@@ -174,6 +188,102 @@ def test_a_name_taken_by_another_collector_is_still_refused() -> None:
     PromCounter("idempotency_requests", "someone else's", registry=registry)
     with pytest.raises(ValueError, match="Duplicated"):
         PrometheusMetrics(registry)
+
+
+# --- /metrics in a real app -----------------------------------------------------------
+
+
+def starlette_app() -> Starlette:
+    async def pay(request: Request) -> Response:
+        return JSONResponse({"ok": True}, status_code=201)
+
+    return Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+
+
+def fastapi_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/pay", status_code=201)
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+APPS = pytest.mark.parametrize(
+    "make_app", [starlette_app, fastapi_app], ids=["starlette", "fastapi"]
+)
+
+
+def asgi_client(app: Any) -> httpx.AsyncClient:
+    # follow_redirects stays False (httpx's default): a redirect must show as one.
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://t", follow_redirects=False)
+
+
+def assert_scraped(response: httpx.Response) -> None:
+    assert response.status_code == 200, response.headers.get("location")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "idempotency_requests_total" in response.text
+
+
+@APPS
+async def test_the_metrics_route_answers_200_at_slash_metrics(make_app: Callable[[], Any]) -> None:
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    app = make_app()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+    app.add_route("/metrics", metrics.endpoint)
+    async with asgi_client(app) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+        scraped = await client.get("/metrics")
+    assert_scraped(scraped)
+    assert samples(scraped.text) == {("/pay", "executed"): 1.0}
+
+
+def readme_prometheus_example() -> str:
+    """The Python block under the README's "Prometheus" heading, as written."""
+    text = README.read_text()
+    section = text[text.index("#### Prometheus") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+@APPS
+async def test_the_readme_prometheus_lines_serve_slash_metrics(make_app: Callable[[], Any]) -> None:
+    app = make_app()
+    # The README's own lines, on the default registry: the second app in this test run
+    # registers there too, as a second app in a real process would.
+    exec(readme_prometheus_example(), {"app": app, "store": MemoryStore()})
+    async with asgi_client(app) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+        assert_scraped(await client.get("/metrics"))
+
+
+async def test_two_apps_count_into_the_default_registry_together() -> None:
+    def executed() -> float:
+        value = REGISTRY.get_sample_value(
+            "idempotency_requests_total", {"route": "/pay", "outcome": "executed"}
+        )
+        return value or 0.0
+
+    before = executed()
+    apps = []
+    for make_app in (starlette_app, fastapi_app):
+        app = make_app()
+        metrics = PrometheusMetrics()  # each app its own, both on the default registry
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+        app.add_route("/metrics", metrics.endpoint)
+        apps.append(app)
+    scraped = []
+    for app in apps:
+        async with asgi_client(app) as client:
+            assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+            scraped.append(await client.get("/metrics"))
+    assert executed() == before + 2
+    for response in scraped:
+        assert_scraped(response)
+    assert samples(scraped[1].text)[("/pay", "executed")] == before + 2
 
 
 # --- structured logs ----------------------------------------------------------------

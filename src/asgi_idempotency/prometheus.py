@@ -9,7 +9,7 @@ left to PromQL, as Prometheus recommends (docs/operations.md has the recipes)::
 
     metrics = PrometheusMetrics()  # the process-wide default registry
     app.add_middleware(IdempotencyMiddleware, store=store, metrics=metrics)
-    app.mount("/metrics", metrics.asgi_app())
+    app.add_route("/metrics", metrics.endpoint)
 
 This is the only module that imports ``prometheus_client``.
 """
@@ -20,11 +20,21 @@ import threading
 import weakref
 from collections.abc import Iterable
 
+from starlette.requests import Request
+from starlette.responses import Response
+
 from .asgi import ASGIApp
 from .metrics import Outcome
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, make_asgi_app
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        generate_latest,
+        make_asgi_app,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "asgi_idempotency.prometheus needs prometheus-client: "
@@ -95,7 +105,24 @@ class PrometheusMetrics:
     def observe(self, route: str, outcome: Outcome) -> None:
         self.requests.labels(route=route, outcome=outcome.value).inc()
 
+    async def endpoint(self, request: Request) -> Response:
+        """A Starlette/FastAPI endpoint serving this registry's exposition text.
+
+        Add it as a route, which answers ``GET /metrics`` itself (200, no redirect)::
+
+            app.add_route("/metrics", metrics.endpoint)
+
+        It serves the Prometheus text format (``CONTENT_TYPE_LATEST``), uncompressed;
+        :meth:`asgi_app` also negotiates OpenMetrics and gzip.
+        """
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
     def asgi_app(self) -> ASGIApp:
-        """An ASGI app serving this registry's exposition text; mount it at ``/metrics``."""
+        """prometheus_client's ASGI app for this registry (OpenMetrics, gzip, ``name[]``).
+
+        It answers any path. Mounted (``app.mount("/metrics", ...)``), it is reached
+        only at ``/metrics/``: Starlette and FastAPI answer ``/metrics`` with a 307
+        redirect. Prefer :meth:`endpoint` as a route.
+        """
         app: ASGIApp = make_asgi_app(self.registry)
         return app
