@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -28,6 +29,8 @@ from asgi_idempotency import (
     Policy,
     SQLStore,
 )
+from asgi_idempotency import metrics as metrics_module
+from asgi_idempotency import prometheus as prometheus_module
 from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
@@ -286,6 +289,48 @@ async def test_two_apps_count_into_the_default_registry_together() -> None:
     assert samples(scraped[1].text)[("/pay", "executed")] == before + 2
 
 
+# --- the labels the docs name ---------------------------------------------------------
+
+
+def readme_section(heading: str, next_heading: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n{heading}\n")
+    return text[start : text.index(f"\n{next_heading}\n", start)]
+
+
+def documented_route_placeholders() -> set[str]:
+    """Placeholder route labels (``<...>``) the README's Metrics section and modules name."""
+    texts = [
+        readme_section("### Metrics", "### Log events"),
+        metrics_module.__doc__ or "",
+        prometheus_module.__doc__ or "",
+    ]
+    return {label for text in texts for label in re.findall(r"(<[a-z_]+>)", text)}
+
+
+async def test_route_labels_emitted_are_the_ones_documented() -> None:
+    memory = InMemoryMetrics()
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        await JSONResponse({"ok": True}, status_code=201)(scope, receive, send)
+
+    policies = {"/pay": Policy(required=True)}
+    unrouted = IdempotencyMiddleware(bare, store=MemoryStore(), policies=policies, metrics=memory)
+    async with asgi_client(unrouted) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+
+    routed = starlette_app()
+    routed.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=memory)
+    async with asgi_client(routed) as client:
+        missing = await client.post("/nope", headers={"Idempotency-Key": "k"})
+        wrong_method = await client.put("/pay", headers={"Idempotency-Key": "k"})
+    assert (missing.status_code, wrong_method.status_code) == (404, 405)
+
+    # Requests matching no route are not counted; the bare app's are, as documented.
+    assert memory.snapshot().counts == {("<unrouted>", Outcome.EXECUTED): 1}
+    assert documented_route_placeholders() == {"<unrouted>"}
+
+
 # --- structured logs ----------------------------------------------------------------
 
 
@@ -365,3 +410,15 @@ async def test_log_events_carry_route_outcome_and_key_digest_only(
     for record in caplog.records:
         assert RAW_KEY not in repr(record.__dict__)
         assert BODY_MARK not in repr(record.__dict__)
+
+
+def test_the_readme_outcome_table_lists_exactly_the_outcomes() -> None:
+    section = readme_section("### Metrics", "### Log events")
+    table = section[section.index("| outcome |") :].split("\n\n")[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    documented = [re.fullmatch(r"\| `(\w+)` \|.*", row) for row in rows]
+    assert all(documented), rows
+    assert [m.group(1) for m in documented if m] == [o.value for o in Outcome]
+    # The cardinality sentence ("guarded routes times 10") counts the outcomes.
+    times = "\N{MULTIPLICATION SIGN}"
+    assert f"guarded routes {times} {len(Outcome)}" in section.replace("\n", " ")

@@ -1,11 +1,18 @@
 """Outcomes of guarded requests and an in-process counter of them.
 
-Two numbers tell whether the guard works and is needed (see docs/operations.md):
+Two numbers tell whether the guard works and is needed (see the README's Operations
+section):
 
 - the replay rate: replayed / guarded requests. Small and non-zero in a healthy
   service; a spike means clients retry faster than the service answers.
 - the conflict rate: 422 mismatches / guarded requests. Should be zero; anything
   else is a client bug (one key reused for different requests) to chase.
+
+Each request the middleware guards is observed once, as ``(route, outcome)``.
+``route`` is the route template the app's router matched (``/orders/{order_id}``).
+Requests that match no route (the router answers 404 or 405) pass through and are
+not observed. An app without a router (a bare ASGI app) has no templates, so its
+guarded requests are observed as ``"<unrouted>"``.
 
 "Guarded" means every outcome but :attr:`Outcome.UNGUARDED`. For Prometheus, see
 :class:`asgi_idempotency.prometheus.PrometheusMetrics`.

@@ -1,9 +1,12 @@
 """Prometheus counters of guarded-request outcomes (``asgi-idempotency[prometheus]``).
 
 One counter, ``idempotency_requests_total{route, outcome}``: ``route`` is the route
-template (``/orders/{order_id}/refunds``, or ``<unmatched>``), never a path or a key,
-so its cardinality is the number of guarded routes times the ten outcomes. Rates are
-left to PromQL, as Prometheus recommends (docs/operations.md has the recipes)::
+template (``/orders/{order_id}/refunds``), never a path or a key, so its cardinality
+is the number of guarded routes times the ten outcomes. Requests that match no route
+(the router answers 404 or 405) pass through and are not counted; an app without a
+router (a bare ASGI app) has no templates, so its guarded requests are counted under
+``route="<unrouted>"``. Rates are left to PromQL, as Prometheus recommends (the
+README's Operations section has the recipes)::
 
     from asgi_idempotency.prometheus import PrometheusMetrics
 
