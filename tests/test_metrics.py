@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -329,6 +330,34 @@ async def test_route_labels_emitted_are_the_ones_documented() -> None:
     # Requests matching no route are not counted; the bare app's are, as documented.
     assert memory.snapshot().counts == {("<unrouted>", Outcome.EXECUTED): 1}
     assert documented_route_placeholders() == {"<unrouted>"}
+
+
+# --- in-process counting ----------------------------------------------------------------
+
+
+def test_in_memory_counts_from_many_threads_add_up() -> None:
+    metrics = InMemoryMetrics()
+    threads, per_thread = 4, 20_000
+    start = threading.Barrier(threads + 1)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(per_thread):
+            metrics.observe("/pay", Outcome.EXECUTED)
+        metrics.observe("/pay", Outcome.REPLAYED)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    seen = [metrics.snapshot().total() for _ in range(50)]  # read while they write
+    for worker in workers:
+        worker.join()
+    assert seen == sorted(seen)  # never goes backwards
+    assert metrics.snapshot().counts == {
+        ("/pay", Outcome.EXECUTED): threads * per_thread,
+        ("/pay", Outcome.REPLAYED): threads,
+    }
 
 
 # --- structured logs ----------------------------------------------------------------
