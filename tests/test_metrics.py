@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from fastapi import FastAPI
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from asgi_idempotency import InMemoryMetrics, Outcome, Policy, SQLStore
+from asgi_idempotency import (
+    IdempotencyMiddleware,
+    InMemoryMetrics,
+    MemoryStore,
+    Outcome,
+    Policy,
+    SQLStore,
+)
+from asgi_idempotency import metrics as metrics_module
+from asgi_idempotency import prometheus as prometheus_module
 from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
@@ -23,6 +41,7 @@ pytestmark = pytest.mark.anyio
 UNREACHABLE = "postgresql+asyncpg://postgres@127.0.0.1:9/x"
 RAW_KEY = "raw-key-SECRET-4242"
 BODY_MARK = "BODY-SECRET-1717"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
@@ -151,11 +170,194 @@ def test_listed_routes_are_exposed_at_zero_before_any_request() -> None:
     assert exposed == {("/pay", o.value): 0.0 for o in Outcome}
 
 
-def test_one_registry_holds_the_counter_once() -> None:
+def test_instances_on_one_registry_and_prefix_share_the_counter() -> None:
     registry = CollectorRegistry()
-    PrometheusMetrics(registry)
+    first = PrometheusMetrics(registry)
+    second = PrometheusMetrics(registry, routes=["/late"])  # no "Duplicated timeseries"
+    other_prefix = PrometheusMetrics(registry, prefix="other")
+    other_registry = PrometheusMetrics(CollectorRegistry())
+    assert second.requests is first.requests
+    assert other_prefix.requests is not first.requests
+    assert other_registry.requests is not first.requests
+
+    first.observe("/pay", Outcome.EXECUTED)
+    second.observe("/pay", Outcome.EXECUTED)
+    exposed = samples(generate_latest(registry).decode())
+    assert exposed[("/pay", "executed")] == 2.0
+    assert exposed[("/late", "replayed")] == 0.0  # the second instance's routes, up front
+
+
+def test_a_name_taken_by_another_collector_is_still_refused() -> None:
+    registry = CollectorRegistry()
+    PromCounter("idempotency_requests", "someone else's", registry=registry)
     with pytest.raises(ValueError, match="Duplicated"):
         PrometheusMetrics(registry)
+
+
+# --- /metrics in a real app -----------------------------------------------------------
+
+
+def starlette_app() -> Starlette:
+    async def pay(request: Request) -> Response:
+        return JSONResponse({"ok": True}, status_code=201)
+
+    return Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+
+
+def fastapi_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/pay", status_code=201)
+    async def pay() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+APPS = pytest.mark.parametrize(
+    "make_app", [starlette_app, fastapi_app], ids=["starlette", "fastapi"]
+)
+
+
+def asgi_client(app: Any) -> httpx.AsyncClient:
+    # follow_redirects stays False (httpx's default): a redirect must show as one.
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://t", follow_redirects=False)
+
+
+def assert_scraped(response: httpx.Response) -> None:
+    assert response.status_code == 200, response.headers.get("location")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "idempotency_requests_total" in response.text
+
+
+@APPS
+async def test_the_metrics_route_answers_200_at_slash_metrics(make_app: Callable[[], Any]) -> None:
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    app = make_app()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+    app.add_route("/metrics", metrics.endpoint)
+    async with asgi_client(app) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+        scraped = await client.get("/metrics")
+    assert_scraped(scraped)
+    assert samples(scraped.text) == {("/pay", "executed"): 1.0}
+
+
+def readme_prometheus_example() -> str:
+    """The Python block under the README's "Prometheus" heading, as written."""
+    text = README.read_text()
+    section = text[text.index("#### Prometheus") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+@APPS
+async def test_the_readme_prometheus_lines_serve_slash_metrics(make_app: Callable[[], Any]) -> None:
+    app = make_app()
+    # The README's own lines, on the default registry: the second app in this test run
+    # registers there too, as a second app in a real process would.
+    exec(readme_prometheus_example(), {"app": app, "store": MemoryStore()})
+    async with asgi_client(app) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+        assert_scraped(await client.get("/metrics"))
+
+
+async def test_two_apps_count_into_the_default_registry_together() -> None:
+    def executed() -> float:
+        value = REGISTRY.get_sample_value(
+            "idempotency_requests_total", {"route": "/pay", "outcome": "executed"}
+        )
+        return value or 0.0
+
+    before = executed()
+    apps = []
+    for make_app in (starlette_app, fastapi_app):
+        app = make_app()
+        metrics = PrometheusMetrics()  # each app its own, both on the default registry
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+        app.add_route("/metrics", metrics.endpoint)
+        apps.append(app)
+    scraped = []
+    for app in apps:
+        async with asgi_client(app) as client:
+            assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+            scraped.append(await client.get("/metrics"))
+    assert executed() == before + 2
+    for response in scraped:
+        assert_scraped(response)
+    assert samples(scraped[1].text)[("/pay", "executed")] == before + 2
+
+
+# --- the labels the docs name ---------------------------------------------------------
+
+
+def readme_section(heading: str, next_heading: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n{heading}\n")
+    return text[start : text.index(f"\n{next_heading}\n", start)]
+
+
+def documented_route_placeholders() -> set[str]:
+    """Placeholder route labels (``<...>``) the README's Metrics section and modules name."""
+    texts = [
+        readme_section("### Metrics", "### Log events"),
+        metrics_module.__doc__ or "",
+        prometheus_module.__doc__ or "",
+    ]
+    return {label for text in texts for label in re.findall(r"(<[a-z_]+>)", text)}
+
+
+async def test_route_labels_emitted_are_the_ones_documented() -> None:
+    memory = InMemoryMetrics()
+
+    async def bare(scope: Any, receive: Any, send: Any) -> None:
+        await JSONResponse({"ok": True}, status_code=201)(scope, receive, send)
+
+    policies = {"/pay": Policy(required=True)}
+    unrouted = IdempotencyMiddleware(bare, store=MemoryStore(), policies=policies, metrics=memory)
+    async with asgi_client(unrouted) as client:
+        assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
+
+    routed = starlette_app()
+    routed.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=memory)
+    async with asgi_client(routed) as client:
+        missing = await client.post("/nope", headers={"Idempotency-Key": "k"})
+        wrong_method = await client.put("/pay", headers={"Idempotency-Key": "k"})
+    assert (missing.status_code, wrong_method.status_code) == (404, 405)
+
+    # Requests matching no route are not counted; the bare app's are, as documented.
+    assert memory.snapshot().counts == {("<unrouted>", Outcome.EXECUTED): 1}
+    assert documented_route_placeholders() == {"<unrouted>"}
+
+
+# --- in-process counting ----------------------------------------------------------------
+
+
+def test_in_memory_counts_from_many_threads_add_up() -> None:
+    metrics = InMemoryMetrics()
+    threads, per_thread = 4, 20_000
+    start = threading.Barrier(threads + 1)
+
+    def work() -> None:
+        start.wait()
+        for _ in range(per_thread):
+            metrics.observe("/pay", Outcome.EXECUTED)
+        metrics.observe("/pay", Outcome.REPLAYED)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    seen = [metrics.snapshot().total() for _ in range(50)]  # read while they write
+    for worker in workers:
+        worker.join()
+    assert seen == sorted(seen)  # never goes backwards
+    assert metrics.snapshot().counts == {
+        ("/pay", Outcome.EXECUTED): threads * per_thread,
+        ("/pay", Outcome.REPLAYED): threads,
+    }
 
 
 # --- structured logs ----------------------------------------------------------------
@@ -243,3 +445,15 @@ async def test_log_events_carry_route_outcome_and_key_digest_only(
     for record in caplog.records:
         assert RAW_KEY not in repr(record.__dict__)
         assert BODY_MARK not in repr(record.__dict__)
+
+
+def test_the_readme_outcome_table_lists_exactly_the_outcomes() -> None:
+    section = readme_section("### Metrics", "### Log events")
+    table = section[section.index("| outcome |") :].split("\n\n")[0]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    documented = [re.fullmatch(r"\| `(\w+)` \|.*", row) for row in rows]
+    assert all(documented), rows
+    assert [m.group(1) for m in documented if m] == [o.value for o in Outcome]
+    # The cardinality sentence ("guarded routes times 10") counts the outcomes.
+    times = "\N{MULTIPLICATION SIGN}"
+    assert f"guarded routes {times} {len(Outcome)}" in section.replace("\n", " ")

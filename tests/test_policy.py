@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from asgi_idempotency.policy import policy_of
 
 pytestmark = pytest.mark.anyio
 
@@ -151,11 +153,53 @@ async def test_starlette_mounts_resolve_with_their_prefix() -> None:
     assert calls == ["a"]
 
 
-def test_policy_validates_its_numbers() -> None:
-    with pytest.raises(ValueError, match="positive"):
-        Policy(ttl=timedelta(0))
-    with pytest.raises(ValueError, match="lease"):
-        Policy(ttl=timedelta(seconds=1), lease=timedelta(seconds=2))
+def test_a_ttl_alone_gets_the_smaller_of_30_s_and_the_ttl_as_lease() -> None:
+    short = Policy(ttl=timedelta(seconds=1))
+    assert short.lease == timedelta(seconds=1)
+    assert short.renew_every == pytest.approx(1 / 3)
+    assert Policy(ttl=timedelta(minutes=10)).lease == timedelta(seconds=30)
+    assert Policy().lease == timedelta(seconds=30)
+    assert Policy().renew_every == pytest.approx(10.0)
+
+    @idempotent(ttl=timedelta(seconds=1))
+    async def handler() -> None: ...
+
+    assert policy_of(handler) == short
+
+
+def test_an_explicit_lease_may_equal_the_ttl() -> None:
+    policy = Policy(ttl=timedelta(seconds=5), lease=timedelta(seconds=5))
+    assert policy.lease == timedelta(seconds=5)
+
+
+LONG_LEASE = re.escape("lease (0:00:30) exceeds ttl (0:00:01): pass lease <= ttl, or a longer ttl")
+
+
+def test_an_explicit_lease_longer_than_the_ttl_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=f"^{LONG_LEASE}$"):
+        Policy(ttl=timedelta(seconds=1), lease=timedelta(seconds=30))
+    with pytest.raises(ValueError, match=f"^{LONG_LEASE}$"):
+        idempotent(ttl=timedelta(seconds=1), lease=timedelta(seconds=30))
+
+
+@pytest.mark.parametrize("name", ["ttl", "lease"])
+@pytest.mark.parametrize("value", [30, 1.5, 0, True, None, "30s"])
+def test_durations_must_be_timedeltas(name: str, value: object) -> None:
+    """A bare number could mean seconds or milliseconds: refused, never guessed."""
+    expected = "^" + re.escape(f"{name} must be a datetime.timedelta, e.g. timedelta(seconds=30)")
+    with pytest.raises(TypeError, match=expected) as caught:
+        Policy(**{name: value})  # type: ignore[arg-type]  # deliberately the wrong type
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    assert ("seconds or milliseconds" in str(caught.value)) is number
+    with pytest.raises(TypeError, match=expected):
+        idempotent(**{name: value})  # type: ignore[arg-type]  # the wrong type, again
+
+
+@pytest.mark.parametrize("name", ["ttl", "lease"])
+@pytest.mark.parametrize("value", [timedelta(0), timedelta(seconds=-1)])
+def test_non_positive_durations_are_refused_by_name(name: str, value: timedelta) -> None:
+    with pytest.raises(ValueError, match=f"^{name} must be positive, got "):
+        Policy(**{name: value})  # type: ignore[arg-type]  # one field by name; mypy sees all
 
 
 async def test_routes_added_after_the_first_request_are_resolved() -> None:

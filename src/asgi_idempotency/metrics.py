@@ -1,11 +1,18 @@
 """Outcomes of guarded requests and an in-process counter of them.
 
-Two numbers tell whether the guard works and is needed (see docs/operations.md):
+Two numbers tell whether the guard works and is needed (see the README's Operations
+section):
 
 - the replay rate: replayed / guarded requests. Small and non-zero in a healthy
   service; a spike means clients retry faster than the service answers.
 - the conflict rate: 422 mismatches / guarded requests. Should be zero; anything
   else is a client bug (one key reused for different requests) to chase.
+
+Each request the middleware guards is observed once, as ``(route, outcome)``.
+``route`` is the route template the app's router matched (``/orders/{order_id}``).
+Requests that match no route (the router answers 404 or 405) pass through and are
+not observed. An app without a router (a bare ASGI app) has no templates, so its
+guarded requests are observed as ``"<unrouted>"``.
 
 "Guarded" means every outcome but :attr:`Outcome.UNGUARDED`. For Prometheus, see
 :class:`asgi_idempotency.prometheus.PrometheusMetrics`.
@@ -71,19 +78,43 @@ class MetricsSnapshot:
 
 
 class InMemoryMetrics:
-    """Counts outcomes per route template in process memory; read with :meth:`snapshot`."""
+    """Counts outcomes per route template in process memory; read with :meth:`snapshot`.
+
+    :meth:`observe` runs on every guarded request, so it takes no lock: each thread
+    counts into its own dict, which only that thread writes, and :meth:`snapshot`
+    adds them up. A thread's counts stay after the thread ends.
+    """
 
     def __init__(self) -> None:
-        self._counts: Counter[tuple[str, Outcome]] = Counter()
-        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._shards: list[dict[tuple[str, Outcome], int]] = []
+        self._shards_lock = threading.Lock()  # taken once per thread, and by snapshot
 
     def observe(self, route: str, outcome: Outcome) -> None:
-        with self._lock:
-            self._counts[(route, outcome)] += 1
+        try:
+            shard: dict[tuple[str, Outcome], int] = self._local.counts
+        except AttributeError:
+            shard = self._new_shard()
+        # No lost updates: this thread is the only writer of its shard.
+        key = (route, outcome)
+        shard[key] = shard.get(key, 0) + 1
+
+    def _new_shard(self) -> dict[tuple[str, Outcome], int]:
+        shard: dict[tuple[str, Outcome], int] = {}
+        with self._shards_lock:
+            self._shards.append(shard)
+        self._local.counts = shard
+        return shard
 
     def snapshot(self) -> MetricsSnapshot:
-        with self._lock:
-            return MetricsSnapshot(dict(self._counts))
+        with self._shards_lock:
+            shards = list(self._shards)
+        totals: Counter[tuple[str, Outcome]] = Counter()
+        for shard in shards:
+            # dict.copy is one call that another thread's write cannot split: a
+            # consistent reading, at most one observation behind.
+            totals.update(shard.copy())
+        return MetricsSnapshot(dict(totals))
 
 
 class FanOutMetrics:

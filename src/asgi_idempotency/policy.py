@@ -25,28 +25,79 @@ F = TypeVar("F", bound=Callable[..., Any])
 _POLICY_ATTR = "__idempotency_policy__"
 
 
+_DEFAULT_TTL = timedelta(hours=24)
+_DEFAULT_LEASE = timedelta(seconds=30)
+
+
+class _LeaseNotGiven:
+    """The ``lease`` default: "not given", resolved to the smaller of 30 s and ``ttl``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:  # shown in help(Policy) and help(idempotent)
+        return "<the smaller of 30 s and ttl>"
+
+
+# Typed as Any so that it can stand as the default of a ``timedelta`` field: the
+# attribute is read as a timedelta everywhere, and __post_init__ makes sure it is one.
+_LEASE_NOT_GIVEN: Any = _LeaseNotGiven()
+
+
+def _duration(name: str, value: object) -> timedelta:
+    """``value`` if it is a positive ``timedelta``.
+
+    A bare number is refused rather than read as seconds: ``ttl=30`` could as well
+    mean milliseconds, and a guard that keeps responses for 30 s instead of 30 min
+    fails silently.
+    """
+    if not isinstance(value, timedelta):
+        raise TypeError(
+            f"{name} must be a datetime.timedelta, e.g. timedelta(seconds=30); "
+            f"got {type(value).__name__} {value!r}"
+            + (" (a bare number could mean seconds or milliseconds)" if _is_number(value) else "")
+        )
+    if value <= timedelta(0):
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """How one route is guarded.
+
+    Durations are :class:`datetime.timedelta` values; a bare number is refused
+    (``TypeError``) because it could mean seconds or milliseconds.
 
     Attributes:
         enabled: ``False`` exempts the route entirely (no store access).
         required: a request without ``Idempotency-Key`` gets 400 instead of running unguarded.
         ttl: how long a completed response is kept and replayed (default 24 hours).
         lease: how long an in-progress claim is honoured without renewal before it
-            counts as abandoned (default 30 s). A live worker renews it every third
-            of the lease, so this bounds a dead worker's silence, not the handler's run time.
+            counts as abandoned. Left out, it is the smaller of 30 s and ``ttl``, so
+            ``Policy(ttl=timedelta(seconds=1))`` works as written; after construction
+            it always reads as a ``timedelta``. A live worker renews it every third
+            of the lease, so this bounds a dead worker's silence, not the handler's
+            run time.
         max_body_bytes: request bodies above this get 413 before the store is touched
             (default 1 MiB).
         fingerprint_headers: request headers (case-insensitive) that enter the
             fingerprint besides method, path, query and body.
         transactional: run the handler inside the claim's Postgres transaction.
+
+    Raises:
+        TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None).
+        ValueError: ``ttl`` or ``lease`` is not positive; a ``lease`` given explicitly
+            exceeds ``ttl``; ``max_body_bytes`` is negative.
     """
 
     enabled: bool = True
     required: bool = False
-    ttl: timedelta = timedelta(hours=24)
-    lease: timedelta = timedelta(seconds=30)
+    ttl: timedelta = _DEFAULT_TTL
+    lease: timedelta = _LEASE_NOT_GIVEN
     max_body_bytes: int = 1024 * 1024
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
@@ -54,15 +105,23 @@ class Policy:
     _renew_every: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.ttl <= timedelta(0) or self.lease <= timedelta(0):
-            raise ValueError("ttl and lease must be positive")
-        if self.lease > self.ttl:
-            raise ValueError("lease must not exceed ttl")
+        ttl = _duration("ttl", self.ttl)
+        if self.lease is _LEASE_NOT_GIVEN:
+            lease = min(_DEFAULT_LEASE, ttl)
+        else:
+            lease = _duration("lease", self.lease)
+            if lease > ttl:
+                # The claimed row expires after ttl, so a longer lease would promise
+                # more than the row keeps. Refuse rather than shorten what was asked.
+                raise ValueError(
+                    f"lease ({lease}) exceeds ttl ({ttl}): pass lease <= ttl, or a longer ttl"
+                )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
+        object.__setattr__(self, "lease", lease)
         object.__setattr__(self, "_header_names", names)
-        object.__setattr__(self, "_renew_every", self.lease.total_seconds() / 3)
+        object.__setattr__(self, "_renew_every", lease.total_seconds() / 3)
 
     @property
     def header_names(self) -> frozenset[bytes]:
@@ -78,22 +137,24 @@ def idempotent(
     *,
     enabled: bool = True,
     required: bool = False,
-    ttl: timedelta = timedelta(hours=24),
-    lease: timedelta = timedelta(seconds=30),
+    ttl: timedelta = _DEFAULT_TTL,
+    lease: timedelta = _LEASE_NOT_GIVEN,
     max_body_bytes: int = 1024 * 1024,
     fingerprint_headers: Iterable[str] = (),
     transactional: bool = False,
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
-    Put it below the framework's route decorator (``@app.post(...)`` on top). The
-    function is returned unchanged, so FastAPI still sees its signature.
+    Takes the same arguments as :class:`Policy`, with the same defaults (``lease``
+    left out is the smaller of 30 s and ``ttl``) and the same errors, raised here at
+    decoration time. Put it below the framework's route decorator (``@app.post(...)``
+    on top). The function is returned unchanged, so FastAPI still sees its signature.
     """
     policy = Policy(
         enabled=enabled,
         required=required,
         ttl=ttl,
-        lease=lease,
+        lease=lease,  # "not given" passes through as itself
         max_body_bytes=max_body_bytes,
         fingerprint_headers=tuple(fingerprint_headers),
         transactional=transactional,

@@ -1,28 +1,43 @@
 """Prometheus counters of guarded-request outcomes (``asgi-idempotency[prometheus]``).
 
 One counter, ``idempotency_requests_total{route, outcome}``: ``route`` is the route
-template (``/orders/{order_id}/refunds``, or ``<unmatched>``), never a path or a key,
-so its cardinality is the number of guarded routes times the ten outcomes. Rates are
-left to PromQL, as Prometheus recommends (docs/operations.md has the recipes)::
+template (``/orders/{order_id}/refunds``), never a path or a key, so its cardinality
+is the number of guarded routes times the ten outcomes. Requests that match no route
+(the router answers 404 or 405) pass through and are not counted; an app without a
+router (a bare ASGI app) has no templates, so its guarded requests are counted under
+``route="<unrouted>"``. Rates are left to PromQL, as Prometheus recommends (the
+README's Operations section has the recipes)::
 
     from asgi_idempotency.prometheus import PrometheusMetrics
 
     metrics = PrometheusMetrics()  # the process-wide default registry
     app.add_middleware(IdempotencyMiddleware, store=store, metrics=metrics)
-    app.mount("/metrics", metrics.asgi_app())
+    app.add_route("/metrics", metrics.endpoint)
 
 This is the only module that imports ``prometheus_client``.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
 
 from .asgi import ASGIApp
 from .metrics import Outcome
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, make_asgi_app
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        generate_latest,
+        make_asgi_app,
+    )
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "asgi_idempotency.prometheus needs prometheus-client: "
@@ -31,15 +46,41 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
 
 __all__ = ["PrometheusMetrics"]
 
+# The counters this module registered, per registry and prefix. A registry takes a
+# name once, so a second PrometheusMetrics on the same registry and prefix (two apps,
+# or two middlewares, in one process) reuses the first one's counter and the counts
+# add up. Weak keys: a registry that is dropped takes its entries with it, and an
+# id() reused by a later registry cannot hand it a counter it does not hold.
+_counters: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter]] = (
+    weakref.WeakKeyDictionary()
+)
+_counters_lock = threading.Lock()
+
+
+def _requests_counter(registry: CollectorRegistry, prefix: str) -> Counter:
+    with _counters_lock:
+        by_prefix = _counters.setdefault(registry, {})
+        counter = by_prefix.get(prefix)
+        if counter is None:
+            # prometheus_client appends the _total suffix to counters.
+            counter = Counter(
+                f"{prefix}_requests",
+                "Requests on idempotency-guarded routes, by route template and outcome.",
+                ("route", "outcome"),
+                registry=registry,
+            )
+            by_prefix[prefix] = counter
+        return counter
+
 
 class PrometheusMetrics:
     """A :class:`~asgi_idempotency.metrics.MetricsSink` that counts into a Prometheus registry.
 
     Args:
         registry: where the counter is registered (default: ``prometheus_client.REGISTRY``,
-            the one the usual ``/metrics`` endpoints expose). A name can be registered
-            once per registry, so create one instance per registry and share it between
-            apps in the process.
+            the one the usual ``/metrics`` endpoints expose). Instances on the same
+            registry and prefix share one counter, so several apps or middlewares in
+            one process can each create their own and their counts add up.
         prefix: metric name prefix (default ``"idempotency"`` →
             ``idempotency_requests_total``).
         routes: route templates to create every ``(route, outcome)`` series for up
@@ -47,7 +88,8 @@ class PrometheusMetrics:
             event. Optional; unlisted routes appear on first use.
 
     Raises:
-        ValueError: the metric name is already registered in ``registry``.
+        ValueError: something other than a ``PrometheusMetrics`` already registered
+            the metric name in ``registry``.
     """
 
     def __init__(
@@ -58,13 +100,7 @@ class PrometheusMetrics:
         routes: Iterable[str] = (),
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
-        # prometheus_client appends the _total suffix to counters.
-        self.requests = Counter(
-            f"{prefix}_requests",
-            "Requests on idempotency-guarded routes, by route template and outcome.",
-            ("route", "outcome"),
-            registry=self.registry,
-        )
+        self.requests = _requests_counter(self.registry, prefix)
         for route in routes:
             for outcome in Outcome:
                 self.requests.labels(route=route, outcome=outcome.value)
@@ -72,7 +108,24 @@ class PrometheusMetrics:
     def observe(self, route: str, outcome: Outcome) -> None:
         self.requests.labels(route=route, outcome=outcome.value).inc()
 
+    async def endpoint(self, request: Request) -> Response:
+        """A Starlette/FastAPI endpoint serving this registry's exposition text.
+
+        Add it as a route, which answers ``GET /metrics`` itself (200, no redirect)::
+
+            app.add_route("/metrics", metrics.endpoint)
+
+        It serves the Prometheus text format (``CONTENT_TYPE_LATEST``), uncompressed;
+        :meth:`asgi_app` also negotiates OpenMetrics and gzip.
+        """
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
     def asgi_app(self) -> ASGIApp:
-        """An ASGI app serving this registry's exposition text; mount it at ``/metrics``."""
+        """prometheus_client's ASGI app for this registry (OpenMetrics, gzip, ``name[]``).
+
+        It answers any path. Mounted (``app.mount("/metrics", ...)``), it is reached
+        only at ``/metrics/``: Starlette and FastAPI answer ``/metrics`` with a 307
+        redirect. Prefer :meth:`endpoint` as a route.
+        """
         app: ASGIApp = make_asgi_app(self.registry)
         return app
