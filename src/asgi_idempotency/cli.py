@@ -34,9 +34,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-__all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
+from .urls import ENV_URL, redact
+from .urls import async_url as normalize_url
 
-ENV_URL = "IDEMPOTENCY_DATABASE_URL"
+__all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
 
 
 class Exit(enum.IntEnum):
@@ -57,43 +58,6 @@ class CLIError(Exception):
         self.code = code
 
 
-_DRIVERS = {
-    "postgres": "postgresql+asyncpg",
-    "postgresql": "postgresql+asyncpg",
-    "sqlite": "sqlite+aiosqlite",
-}
-_SUPPORTED = frozenset({"postgresql+asyncpg", "sqlite+aiosqlite"})
-
-
-def normalize_url(url: str) -> str:
-    """The async-driver form of ``url``.
-
-    Raises:
-        CLIError: unparseable, or neither PostgreSQL nor SQLite (exit code 2).
-    """
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise CLIError(Exit.USAGE, f"malformed database URL: {exc}") from None
-    driver = _DRIVERS.get(parsed.drivername, parsed.drivername)
-    if driver not in _SUPPORTED:
-        raise CLIError(
-            Exit.USAGE,
-            f"unsupported database URL scheme {parsed.drivername!r}: "
-            "use postgresql+asyncpg://user@host/db or sqlite+aiosqlite:///path.db",
-        )
-    return parsed.set(drivername=driver).render_as_string(hide_password=False)
-
-
-def _safe(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def _is_missing_table(exc: BaseException) -> bool:
     seen: set[int] = set()
     current: BaseException | None = exc
@@ -111,14 +75,14 @@ def _database_error(exc: BaseException, url: str) -> CLIError:
     if _is_missing_table(exc):
         return CLIError(
             Exit.NO_SCHEMA,
-            f"the idempotency_records table does not exist in {_safe(url)}: "
+            f"the idempotency_records table does not exist in {redact(url)}: "
             "run `asgi-idempotency migrate` first",
         )
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return CLIError(
         Exit.UNREACHABLE,
-        f"cannot use the database at {_safe(url)}: {type(cause).__name__}: {detail}",
+        f"cannot use the database at {redact(url)}: {type(cause).__name__}: {detail}",
     )
 
 
@@ -174,7 +138,7 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
         upgrade(url)
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
-    print(f"migrated {_safe(url)} to the latest revision", file=out)
+    print(f"migrated {redact(url)} to the latest revision", file=out)
     return Exit.OK
 
 
@@ -363,7 +327,10 @@ def _require_url(args: argparse.Namespace) -> str:
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
-    return normalize_url(url)
+    try:
+        return normalize_url(url)
+    except ValueError as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
 
 
 # --- parser -------------------------------------------------------------------
