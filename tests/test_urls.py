@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import cli
+from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ENV_URL, async_url, redact, sqlite_path
 
 SPELLINGS = [
@@ -77,3 +81,54 @@ def test_sqlite_path() -> None:
 def test_the_cli_uses_the_same_rule_and_variable() -> None:
     assert cli.normalize_url is async_url
     assert cli.ENV_URL == ENV_URL == "IDEMPOTENCY_DATABASE_URL"
+
+
+# --- SQLStore -----------------------------------------------------------------
+
+
+async def _claim_once(store: SQLStore) -> None:
+    now = datetime.now(UTC)
+    claim = await store.claim(
+        uuid.uuid4().hex,
+        "ab" * 32,
+        uuid.uuid4().hex,
+        now=now,
+        locked_until=now + timedelta(seconds=30),
+        expires_at=now + timedelta(hours=1),
+    )
+    assert claim.owned
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("scheme", ["sqlite", "sqlite+aiosqlite"])
+async def test_sql_store_takes_every_sqlite_spelling(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = f"{scheme}:///x.db"
+    store = SQLStore(url)
+    try:
+        assert store.engine.url.render_as_string(hide_password=False) == cli.normalize_url(url)
+        await store.create_all()
+        await _claim_once(store)
+    finally:
+        await store.close()
+    assert (tmp_path / "x.db").exists()
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql", "postgresql+asyncpg"])
+async def test_sql_store_takes_every_postgres_spelling(scheme: str, pg_url: str) -> None:
+    url = scheme + "://" + pg_url.split("://", 1)[1]
+    store = SQLStore(url)
+    try:
+        assert store.engine.url.render_as_string(hide_password=False) == cli.normalize_url(url)
+        await _claim_once(store)
+    finally:
+        await store.close()
+
+
+def test_sql_store_refuses_a_sync_driver() -> None:
+    with pytest.raises(ValueError, match="needs the async driver asyncpg, not psycopg2"):
+        SQLStore("postgresql+psycopg2://postgres@127.0.0.1/test")

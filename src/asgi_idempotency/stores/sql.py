@@ -66,6 +66,7 @@ from sqlalchemy.sql.elements import ColumnClause
 # async pool runs through it; without it there is no public async check-in.
 from sqlalchemy.util import greenlet_spawn
 
+from ..urls import async_url
 from .base import (
     CLAIMED,
     STATUS_OF,
@@ -743,6 +744,7 @@ def _hot_path_limit(engine: AsyncEngine) -> int:
 
 
 def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEngine:
+    url = async_url(url)  # the one URL rule (asgi_idempotency.urls): postgres:// -> asyncpg
     kwargs: dict[str, Any] = {}
     if url.startswith("postgresql"):
         kwargs = {
