@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 import uuid
@@ -343,6 +344,30 @@ def test_missing_table_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code, _, err = run(capsys, "prune", "--database-url", url)
     assert code == Exit.NO_SCHEMA
     assert "migrate" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["prune", "--pause", "-1"], "argument --pause: must be 0 or more seconds, got '-1'"),
+        (["prune", "--pause", "nan"], "argument --pause: must be 0 or more seconds, got 'nan'"),
+        (["prune", "--pause", "soon"], "argument --pause: must be a number of seconds, got 'soon'"),
+        (["prune", "--batch-size", "0"], "argument --batch-size: must be between 1 and"),
+        (["prune", "--batch-size", "1e3"], "argument --batch-size: must be a whole number"),
+        (["prune", "--batch-size", str(2**63)], "argument --batch-size: must be between 1 and"),
+        (["prune", "--max-batches", "-2"], "argument --max-batches: must be between 1 and"),
+        (["stats", "--timeout", "0"], "argument --timeout: must be more than 0 seconds, got '0'"),
+        (["--timeout", "-5", "stats"], "argument --timeout: must be more than 0 seconds"),
+        (["inspect", "k", "--timeout", "inf"], "argument --timeout: must be more than 0 seconds"),
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors_in_plain_words(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, *argv, "--database-url", UNREACHABLE)
+    assert code == Exit.USAGE
+    assert message in err
+    assert not re.search(r"\b_[a-z]", err), err  # no internal names such as _positive_float
 
 
 @pytest.mark.postgres

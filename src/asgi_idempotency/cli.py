@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import enum
 import json
+import math
 import os
 import sys
 import time
@@ -336,17 +337,43 @@ def _require_url(args: argparse.Namespace) -> str:
 # --- parser -------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+# argparse names a type function in its message when it raises ValueError ("invalid
+# _positive_float value"), so these raise ArgumentTypeError with the whole sentence.
+_MAX_COUNT = 2**31 - 1  # fits every SQL integer type a LIMIT may be bound as
+
+
+def _count(text: str) -> int:
+    """A whole number from 1 to ``_MAX_COUNT`` (rows, batches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {_MAX_COUNT:,}, got {text!r}")
     return value
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds, more than 0 and finite."""
+    value = _seconds(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
+def _pause(text: str) -> float:
+    """Seconds, 0 or more and finite."""
+    value = _seconds(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
     return value
 
 
@@ -369,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--timeout",
-            type=_positive_float,
+            type=_timeout,
             default=10.0 if default is None else default,
             help="seconds to wait for the database per statement (default 10)",
         )
@@ -382,12 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", parents=[common], help="delete expired records in batches")
     p.add_argument(
-        "--batch-size", type=_positive_int, default=1000, help="rows per statement (default 1000)"
+        "--batch-size", type=_count, default=1000, help="rows per statement (default 1000)"
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    p.add_argument("--pause", type=float, default=0.0, help="seconds between batches (default 0)")
+    p.add_argument("--pause", type=_pause, default=0.0, help="seconds between batches (default 0)")
     p.add_argument(
-        "--max-batches", type=_positive_int, default=1_000_000, help="stop after this many batches"
+        "--max-batches", type=_count, default=1_000_000, help="stop after this many batches"
     )
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
     p.add_argument("--json", action="store_true", help="print one JSON object")
