@@ -169,6 +169,7 @@ def test_inspect_answers_did_this_key_run(db: str, capsys: pytest.CaptureFixture
     assert FINGERPRINT in out
     assert "201 (20 bytes stored)" in out
     assert "refund_id" not in out  # sizes, never stored bodies
+    assert "lease" not in out  # a lease means nothing once the record is completed
 
     # The sf-string form of the header spells the same key.
     assert run(capsys, "inspect", '"refund-42"', "--database-url", db)[0] == Exit.OK
@@ -182,6 +183,7 @@ def test_inspect_answers_did_this_key_run(db: str, capsys: pytest.CaptureFixture
     assert data["status"] == "completed"
     assert data["request_hash"] == FINGERPRINT
     assert data["response_status"] == 201
+    assert data["locked_until"] is None
     assert data["expired"] is False
     assert datetime.fromisoformat(data["created_at"]) < datetime.fromisoformat(data["expires_at"])
 
@@ -199,6 +201,7 @@ def test_inspect_explains_in_progress_and_expired_rows(
 ) -> None:
     code, out, _ = run(capsys, "inspect", "running", "--database-url", db)
     assert (code, "running: its lease is live" in out) == (Exit.OK, True)
+    assert re.search(r"^lease until +\S+ \(\d+s from now\)$", out, re.MULTILINE)
     code, out, _ = run(capsys, "inspect", "abandoned", "--json", "--database-url", db)
     data = json.loads(out)
     assert (data["status"], data["abandoned"], data["response_status"]) == (

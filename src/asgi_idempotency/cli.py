@@ -218,13 +218,15 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
             not expired and record.status is RecordStatus.IN_PROGRESS and record.locked_until <= now
         )
         response = record.response
+        # A lease bounds a running request; once completed it means nothing, so it is not shown.
+        completed = record.status is RecordStatus.COMPLETED
         if args.json:
             payload = {
                 "key_digest": digest,
                 "found": True,
                 "status": str(record.status),
                 "created_at": _iso(record.created_at),
-                "locked_until": _iso(record.locked_until),
+                "locked_until": None if completed else _iso(record.locked_until),
                 "expires_at": _iso(record.expires_at),
                 "expired": expired,
                 "abandoned": abandoned,
@@ -245,7 +247,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
             ("key digest", digest),
             ("status", state),
             ("created", _fmt_time(record.created_at, now)),
-            ("lease until", _fmt_time(record.locked_until, now)),
+            *([] if completed else [("lease until", _fmt_time(record.locked_until, now))]),
             ("expires", _fmt_time(record.expires_at, now)),
             ("fingerprint", record.request_hash),
             (
