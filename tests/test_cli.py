@@ -343,10 +343,27 @@ def test_missing_database_and_hidden_password(
 
 
 def test_missing_table_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.db").touch()  # an empty SQLite database
     url = f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}"
     code, _, err = run(capsys, "prune", "--database-url", url)
     assert code == Exit.NO_SCHEMA
     assert "migrate" in err
+
+
+@pytest.mark.parametrize(
+    "command", [["stats"], ["prune"], ["prune", "--dry-run"], ["inspect", "k"]]
+)
+@pytest.mark.parametrize("scheme", ["sqlite", "sqlite+aiosqlite"])
+def test_a_sqlite_file_that_does_not_exist_is_reported_and_not_created(
+    command: list[str], scheme: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo.db"
+    code, out, err = run(capsys, *command, "--database-url", f"{scheme}:///{missing}")
+    assert code == Exit.UNREACHABLE
+    assert f"no SQLite database at {missing}: the file does not exist" in err
+    assert "migrate" in err
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

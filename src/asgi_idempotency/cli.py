@@ -13,7 +13,7 @@ Exit codes, for scripts (:class:`Exit`):
       ``demo``: the guarded run did not make exactly one refund
 2     usage error: bad arguments, missing or malformed database URL
 3     database unreachable or failing (refused, timed out, bad credentials,
-      no such database)
+      no such database or SQLite file)
 4     the records table is missing: run ``asgi-idempotency migrate``
 70    unexpected internal error (a bug: the traceback is printed)
 130   interrupted (Ctrl-C)
@@ -33,9 +33,10 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
-from .urls import ENV_URL, redact
+from .urls import ENV_URL, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
@@ -128,7 +129,7 @@ async def _with_store(
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
-    url = _require_url(args)
+    url = _require_url(args, existing=False)
     try:
         from .migrations import upgrade
     except ImportError as exc:
@@ -296,7 +297,7 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
 
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
     if args.kill_after_write:
-        return _kill_demo(_require_url(args), out)
+        return _kill_demo(_require_url(args, existing=False), out)
     # The incident demo brings its own throwaway SQLite databases; it needs no URL.
     from .demo import run_demo
 
@@ -326,14 +327,27 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
     return Exit.OK if (default, transactional) == ((1, 2), (0, 1)) else Exit.NOT_FOUND
 
 
-def _require_url(args: argparse.Namespace) -> str:
+def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
+    """The command's database URL, with its async driver.
+
+    With ``existing``, a SQLite file must already be there: opening a missing one would
+    create an empty database, hiding a typo in the path behind "table missing".
+    """
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
     try:
-        return normalize_url(url)
+        url = normalize_url(url)
     except ValueError as exc:
         raise CLIError(Exit.USAGE, str(exc)) from None
+    path = sqlite_path(url)
+    if existing and path is not None and not Path(path).exists():
+        raise CLIError(
+            Exit.UNREACHABLE,
+            f"no SQLite database at {Path(path).absolute()}: the file does not exist "
+            "(check the path; `asgi-idempotency migrate` creates it)",
+        )
+    return url
 
 
 # --- parser -------------------------------------------------------------------
