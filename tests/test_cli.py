@@ -390,6 +390,20 @@ def test_out_of_range_numbers_are_usage_errors_in_plain_words(
     assert not re.search(r"\b_[a-z]", err), err  # no internal names such as _positive_float
 
 
+def test_demo_without_the_demo_extra_says_what_to_install() -> None:
+    blocked = (
+        "import sys; sys.modules['uvicorn'] = None; "
+        "from asgi_idempotency.cli import main; sys.exit(main(['demo']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert "pip install 'asgi-idempotency[demo]'" in done.stderr
+    assert "uvicorn" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.postgres
 def test_database_url_from_the_environment_and_option_after_the_command(
     db: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -11,7 +11,8 @@ Exit codes, for scripts (:class:`Exit`):
 0     success
 1     ``inspect``: no record for that key (never ran, released, or pruned);
       ``demo``: the guarded run did not make exactly one refund
-2     usage error: bad arguments, missing or malformed database URL
+2     usage error: bad arguments, missing or malformed database URL, the
+      ``demo`` extra not installed
 3     database unreachable or failing (refused, timed out, bad credentials,
       no such database or SQLite file)
 4     the records table is missing: run ``asgi-idempotency migrate``
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import importlib
 import json
 import math
 import os
@@ -295,7 +297,21 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
     return asyncio.run(_with_store(url, args.timeout, body))
 
 
+def _require_demo_extra() -> None:
+    """Both demos serve with uvicorn and call with httpx: the ``demo`` extra."""
+    for name in ("uvicorn", "httpx"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise CLIError(
+                Exit.USAGE,
+                f"the demo needs {name}, which is not installed: "
+                "pip install 'asgi-idempotency[demo]'",
+            ) from None
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
+    _require_demo_extra()
     if args.kill_after_write:
         return _kill_demo(_require_url(args, existing=False), out)
     # The incident demo brings its own throwaway SQLite databases; it needs no URL.
