@@ -390,6 +390,24 @@ def test_out_of_range_numbers_are_usage_errors_in_plain_words(
     assert not re.search(r"\b_[a-z]", err), err  # no internal names such as _positive_float
 
 
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_help_lists_every_exit_code_as_the_module_docstring_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == Exit.OK
+    assert cli.__doc__ is not None
+    doc, shown = _words(cli.__doc__), _words(out)
+    for member in Exit:
+        meaning = _words(cli.EXIT_MEANINGS[member])
+        assert f"{int(member)} {meaning}" in shown, member
+        assert f"{int(member)} {meaning}" in doc, member
+    assert "130 interrupted" in shown
+
+
 def test_demo_without_the_demo_extra_says_what_to_install() -> None:
     blocked = (
         "import sys; sys.modules['uvicorn'] = None; "

@@ -1,21 +1,22 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
 Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
-(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``; ``postgres://``,
-``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg,
-aiosqlite) added.
+(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
+the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
+``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
+other drivers are refused, and passwords are never printed.
 
-Exit codes, for scripts (:class:`Exit`):
+Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists the same):
 
 ====  =========================================================================
 0     success
-1     ``inspect``: no record for that key (never ran, released, or pruned);
-      ``demo``: the guarded run did not make exactly one refund
-2     usage error: bad arguments, missing or malformed database URL, the
-      ``demo`` extra not installed
-3     database unreachable or failing (refused, timed out, bad credentials,
-      no such database or SQLite file)
-4     the records table is missing: run ``asgi-idempotency migrate``
+1     inspect: no record for that key (never ran, released, or pruned); demo:
+      the guarded run did not make exactly one refund
+2     usage error: bad arguments, missing or malformed database URL, the demo
+      extra not installed
+3     database unreachable or failing (refused, timed out, bad credentials, no
+      such database or SQLite file)
+4     the records table is missing: run `asgi-idempotency migrate`
 70    unexpected internal error (a bug: the traceback is printed)
 130   interrupted (Ctrl-C)
 ====  =========================================================================
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,7 +43,7 @@ from typing import Any, TextIO
 from .urls import ENV_URL, redact, sqlite_path
 from .urls import async_url as normalize_url
 
-__all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
+__all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
 
 
 class Exit(enum.IntEnum):
@@ -52,6 +54,36 @@ class Exit(enum.IntEnum):
     NO_SCHEMA = 4
     INTERNAL = 70
     INTERRUPTED = 130
+
+
+#: What each exit code means: ``--help`` shows these, the module docstring repeats them.
+EXIT_MEANINGS: dict[Exit, str] = {
+    Exit.OK: "success",
+    Exit.NOT_FOUND: (
+        "inspect: no record for that key (never ran, released, or pruned); "
+        "demo: the guarded run did not make exactly one refund"
+    ),
+    Exit.USAGE: (
+        "usage error: bad arguments, missing or malformed database URL, "
+        "the demo extra not installed"
+    ),
+    Exit.UNREACHABLE: (
+        "database unreachable or failing (refused, timed out, bad credentials, "
+        "no such database or SQLite file)"
+    ),
+    Exit.NO_SCHEMA: "the records table is missing: run `asgi-idempotency migrate`",
+    Exit.INTERNAL: "unexpected internal error (a bug: the traceback is printed)",
+    Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def _exit_codes_help() -> str:
+    lines = ["exit codes:"]
+    for code, meaning in EXIT_MEANINGS.items():
+        lines += textwrap.wrap(
+            meaning, width=78, initial_indent=f"  {int(code):<5}", subsequent_indent=" " * 7
+        )
+    return "\n".join(lines)
 
 
 class CLIError(Exception):
@@ -413,10 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asgi-idempotency",
         description="Operate the idempotency records table.",
-        epilog=(
-            "exit codes: 0 ok, 1 not found (inspect), 2 usage or bad URL, "
-            "3 database unreachable, 4 table missing (run migrate), 70 internal error"
-        ),
+        epilog=_exit_codes_help(),
+        # Keeps the epilog's one line per exit code; the description is one line anyway.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # Accepted before or after the command; the one after wins.
     common = argparse.ArgumentParser(add_help=False)
@@ -424,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--database-url",
             default=default,
-            help=f"postgresql+asyncpg://… or sqlite+aiosqlite:///… (default: ${ENV_URL})",
+            help=f"postgresql://user@host/db or sqlite:///path.db (default: ${ENV_URL})",
         )
         p.add_argument(
             "--timeout",
