@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 import uuid
@@ -170,6 +171,7 @@ def test_inspect_answers_did_this_key_run(db: str, capsys: pytest.CaptureFixture
     assert FINGERPRINT in out
     assert "201 (20 bytes stored)" in out
     assert "refund_id" not in out  # sizes, never stored bodies
+    assert "lease" not in out  # a lease means nothing once the record is completed
 
     # The sf-string form of the header spells the same key.
     assert run(capsys, "inspect", '"refund-42"', "--database-url", db)[0] == Exit.OK
@@ -183,6 +185,7 @@ def test_inspect_answers_did_this_key_run(db: str, capsys: pytest.CaptureFixture
     assert data["status"] == "completed"
     assert data["request_hash"] == FINGERPRINT
     assert data["response_status"] == 201
+    assert data["locked_until"] is None
     assert data["expired"] is False
     assert datetime.fromisoformat(data["created_at"]) < datetime.fromisoformat(data["expires_at"])
 
@@ -200,6 +203,7 @@ def test_inspect_explains_in_progress_and_expired_rows(
 ) -> None:
     code, out, _ = run(capsys, "inspect", "running", "--database-url", db)
     assert (code, "running: its lease is live" in out) == (Exit.OK, True)
+    assert re.search(r"^lease until +\S+ \(\d+s from now\)$", out, re.MULTILINE)
     code, out, _ = run(capsys, "inspect", "abandoned", "--json", "--database-url", db)
     data = json.loads(out)
     assert (data["status"], data["abandoned"], data["response_status"]) == (
@@ -341,10 +345,83 @@ def test_missing_database_and_hidden_password(
 
 
 def test_missing_table_on_sqlite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.db").touch()  # an empty SQLite database
     url = f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}"
     code, _, err = run(capsys, "prune", "--database-url", url)
     assert code == Exit.NO_SCHEMA
     assert "migrate" in err
+
+
+@pytest.mark.parametrize(
+    "command", [["stats"], ["prune"], ["prune", "--dry-run"], ["inspect", "k"]]
+)
+@pytest.mark.parametrize("scheme", ["sqlite", "sqlite+aiosqlite"])
+def test_a_sqlite_file_that_does_not_exist_is_reported_and_not_created(
+    command: list[str], scheme: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo.db"
+    code, out, err = run(capsys, *command, "--database-url", f"{scheme}:///{missing}")
+    assert code == Exit.UNREACHABLE
+    assert f"no SQLite database at {missing}: the file does not exist" in err
+    assert "migrate" in err
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["prune", "--pause", "-1"], "argument --pause: must be 0 or more seconds, got '-1'"),
+        (["prune", "--pause", "nan"], "argument --pause: must be 0 or more seconds, got 'nan'"),
+        (["prune", "--pause", "soon"], "argument --pause: must be a number of seconds, got 'soon'"),
+        (["prune", "--batch-size", "0"], "argument --batch-size: must be between 1 and"),
+        (["prune", "--batch-size", "1e3"], "argument --batch-size: must be a whole number"),
+        (["prune", "--batch-size", str(2**63)], "argument --batch-size: must be between 1 and"),
+        (["prune", "--max-batches", "-2"], "argument --max-batches: must be between 1 and"),
+        (["stats", "--timeout", "0"], "argument --timeout: must be more than 0 seconds, got '0'"),
+        (["--timeout", "-5", "stats"], "argument --timeout: must be more than 0 seconds"),
+        (["inspect", "k", "--timeout", "inf"], "argument --timeout: must be more than 0 seconds"),
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors_in_plain_words(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, *argv, "--database-url", UNREACHABLE)
+    assert code == Exit.USAGE
+    assert message in err
+    assert not re.search(r"\b_[a-z]", err), err  # no internal names such as _positive_float
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_help_lists_every_exit_code_as_the_module_docstring_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == Exit.OK
+    assert cli.__doc__ is not None
+    doc, shown = _words(cli.__doc__), _words(out)
+    for member in Exit:
+        meaning = _words(cli.EXIT_MEANINGS[member])
+        assert f"{int(member)} {meaning}" in shown, member
+        assert f"{int(member)} {meaning}" in doc, member
+    assert "130 interrupted" in shown
+
+
+def test_demo_without_the_demo_extra_says_what_to_install() -> None:
+    blocked = (
+        "import sys; sys.modules['uvicorn'] = None; "
+        "from asgi_idempotency.cli import main; sys.exit(main(['demo']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert "pip install 'asgi-idempotency[demo]'" in done.stderr
+    assert "uvicorn" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.postgres

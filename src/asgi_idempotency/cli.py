@@ -1,20 +1,22 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
 Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
-(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``; ``postgres://``,
-``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg,
-aiosqlite) added.
+(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
+the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
+``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
+other drivers are refused, and passwords are never printed.
 
-Exit codes, for scripts (:class:`Exit`):
+Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists the same):
 
 ====  =========================================================================
 0     success
-1     ``inspect``: no record for that key (never ran, released, or pruned);
-      ``demo``: the guarded run did not make exactly one refund
-2     usage error: bad arguments, missing or malformed database URL
-3     database unreachable or failing (refused, timed out, bad credentials,
-      no such database)
-4     the records table is missing: run ``asgi-idempotency migrate``
+1     inspect: no record for that key (never ran, released, or pruned); demo:
+      the guarded run did not make exactly one refund
+2     usage error: bad arguments, missing or malformed database URL, the demo
+      extra not installed
+3     database unreachable or failing (refused, timed out, bad credentials, no
+      such database or SQLite file)
+4     the records table is missing: run `asgi-idempotency migrate`
 70    unexpected internal error (a bug: the traceback is printed)
 130   interrupted (Ctrl-C)
 ====  =========================================================================
@@ -25,18 +27,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import importlib
 import json
+import math
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["ENV_URL", "Exit", "main", "normalize_url"]
+from .urls import ENV_URL, redact, sqlite_path
+from .urls import async_url as normalize_url
 
-ENV_URL = "IDEMPOTENCY_DATABASE_URL"
+__all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
 
 
 class Exit(enum.IntEnum):
@@ -49,49 +56,42 @@ class Exit(enum.IntEnum):
     INTERRUPTED = 130
 
 
+#: What each exit code means: ``--help`` shows these, the module docstring repeats them.
+EXIT_MEANINGS: dict[Exit, str] = {
+    Exit.OK: "success",
+    Exit.NOT_FOUND: (
+        "inspect: no record for that key (never ran, released, or pruned); "
+        "demo: the guarded run did not make exactly one refund"
+    ),
+    Exit.USAGE: (
+        "usage error: bad arguments, missing or malformed database URL, "
+        "the demo extra not installed"
+    ),
+    Exit.UNREACHABLE: (
+        "database unreachable or failing (refused, timed out, bad credentials, "
+        "no such database or SQLite file)"
+    ),
+    Exit.NO_SCHEMA: "the records table is missing: run `asgi-idempotency migrate`",
+    Exit.INTERNAL: "unexpected internal error (a bug: the traceback is printed)",
+    Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def _exit_codes_help() -> str:
+    lines = ["exit codes:"]
+    for code, meaning in EXIT_MEANINGS.items():
+        lines += textwrap.wrap(
+            meaning, width=78, initial_indent=f"  {int(code):<5}", subsequent_indent=" " * 7
+        )
+    return "\n".join(lines)
+
+
 class CLIError(Exception):
     """Ends the command with a message on stderr and an exit code."""
 
     def __init__(self, code: Exit, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-_DRIVERS = {
-    "postgres": "postgresql+asyncpg",
-    "postgresql": "postgresql+asyncpg",
-    "sqlite": "sqlite+aiosqlite",
-}
-_SUPPORTED = frozenset({"postgresql+asyncpg", "sqlite+aiosqlite"})
-
-
-def normalize_url(url: str) -> str:
-    """The async-driver form of ``url``.
-
-    Raises:
-        CLIError: unparseable, or neither PostgreSQL nor SQLite (exit code 2).
-    """
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise CLIError(Exit.USAGE, f"malformed database URL: {exc}") from None
-    driver = _DRIVERS.get(parsed.drivername, parsed.drivername)
-    if driver not in _SUPPORTED:
-        raise CLIError(
-            Exit.USAGE,
-            f"unsupported database URL scheme {parsed.drivername!r}: "
-            "use postgresql+asyncpg://user@host/db or sqlite+aiosqlite:///path.db",
-        )
-    return parsed.set(drivername=driver).render_as_string(hide_password=False)
-
-
-def _safe(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def _is_missing_table(exc: BaseException) -> bool:
@@ -111,14 +111,14 @@ def _database_error(exc: BaseException, url: str) -> CLIError:
     if _is_missing_table(exc):
         return CLIError(
             Exit.NO_SCHEMA,
-            f"the idempotency_records table does not exist in {_safe(url)}: "
+            f"the idempotency_records table does not exist in {redact(url)}: "
             "run `asgi-idempotency migrate` first",
         )
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     return CLIError(
         Exit.UNREACHABLE,
-        f"cannot use the database at {_safe(url)}: {type(cause).__name__}: {detail}",
+        f"cannot use the database at {redact(url)}: {type(cause).__name__}: {detail}",
     )
 
 
@@ -163,7 +163,7 @@ async def _with_store(
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
-    url = _require_url(args)
+    url = _require_url(args, existing=False)
     try:
         from .migrations import upgrade
     except ImportError as exc:
@@ -174,7 +174,7 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
         upgrade(url)
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
-    print(f"migrated {_safe(url)} to the latest revision", file=out)
+    print(f"migrated {redact(url)} to the latest revision", file=out)
     return Exit.OK
 
 
@@ -227,6 +227,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
     from .errors import InvalidKey
     from .keys import parse_key, scoped_key
     from .lifecycle import RecordState, state_of
+    from .stores.base import RecordStatus
 
     url = _require_url(args)
     try:
@@ -252,13 +253,15 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
         expired = current is RecordState.EXPIRED
         abandoned = current is RecordState.ABANDONED
         response = record.response
+        # A lease bounds a running request; once completed it means nothing, so it is not shown.
+        completed = record.status is RecordStatus.COMPLETED
         if args.json:
             payload = {
                 "key_digest": digest,
                 "found": True,
                 "status": str(record.status),
                 "created_at": _iso(record.created_at),
-                "locked_until": _iso(record.locked_until),
+                "locked_until": None if completed else _iso(record.locked_until),
                 "expires_at": _iso(record.expires_at),
                 "expired": expired,
                 "abandoned": abandoned,
@@ -279,7 +282,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
             ("key digest", digest),
             ("status", state),
             ("created", _fmt_time(record.created_at, now)),
-            ("lease until", _fmt_time(record.locked_until, now)),
+            *([] if completed else [("lease until", _fmt_time(record.locked_until, now))]),
             ("expires", _fmt_time(record.expires_at, now)),
             ("fingerprint", record.request_hash),
             (
@@ -326,9 +329,23 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
     return asyncio.run(_with_store(url, args.timeout, body))
 
 
+def _require_demo_extra() -> None:
+    """Both demos serve with uvicorn and call with httpx: the ``demo`` extra."""
+    for name in ("uvicorn", "httpx"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise CLIError(
+                Exit.USAGE,
+                f"the demo needs {name}, which is not installed: "
+                "pip install 'asgi-idempotency[demo]'",
+            ) from None
+
+
 def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
+    _require_demo_extra()
     if args.kill_after_write:
-        return _kill_demo(_require_url(args), out)
+        return _kill_demo(_require_url(args, existing=False), out)
     # The incident demo brings its own throwaway SQLite databases; it needs no URL.
     from .demo import run_demo
 
@@ -358,27 +375,69 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
     return Exit.OK if (default, transactional) == ((1, 2), (0, 1)) else Exit.NOT_FOUND
 
 
-def _require_url(args: argparse.Namespace) -> str:
+def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
+    """The command's database URL, with its async driver.
+
+    With ``existing``, a SQLite file must already be there: opening a missing one would
+    create an empty database, hiding a typo in the path behind "table missing".
+    """
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
-    return normalize_url(url)
+    try:
+        url = normalize_url(url)
+    except ValueError as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
+    path = sqlite_path(url)
+    if existing and path is not None and not Path(path).exists():
+        raise CLIError(
+            Exit.UNREACHABLE,
+            f"no SQLite database at {Path(path).absolute()}: the file does not exist "
+            "(check the path; `asgi-idempotency migrate` creates it)",
+        )
+    return url
 
 
 # --- parser -------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
+# argparse names a type function in its message when it raises ValueError ("invalid
+# _positive_float value"), so these raise ArgumentTypeError with the whole sentence.
+_MAX_COUNT = 2**31 - 1  # fits every SQL integer type a LIMIT may be bound as
+
+
+def _count(text: str) -> int:
+    """A whole number from 1 to ``_MAX_COUNT`` (rows, batches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {_MAX_COUNT:,}, got {text!r}")
     return value
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    return value
+
+
+def _timeout(text: str) -> float:
+    """Seconds, more than 0 and finite."""
+    value = _seconds(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
+def _pause(text: str) -> float:
+    """Seconds, 0 or more and finite."""
+    value = _seconds(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
     return value
 
 
@@ -386,10 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asgi-idempotency",
         description="Operate the idempotency records table.",
-        epilog=(
-            "exit codes: 0 ok, 1 not found (inspect), 2 usage or bad URL, "
-            "3 database unreachable, 4 table missing (run migrate), 70 internal error"
-        ),
+        epilog=_exit_codes_help(),
+        # Keeps the epilog's one line per exit code; the description is one line anyway.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # Accepted before or after the command; the one after wins.
     common = argparse.ArgumentParser(add_help=False)
@@ -397,11 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--database-url",
             default=default,
-            help=f"postgresql+asyncpg://… or sqlite+aiosqlite:///… (default: ${ENV_URL})",
+            help=f"postgresql://user@host/db or sqlite:///path.db (default: ${ENV_URL})",
         )
         p.add_argument(
             "--timeout",
-            type=_positive_float,
+            type=_timeout,
             default=10.0 if default is None else default,
             help="seconds to wait for the database per statement (default 10)",
         )
@@ -414,12 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", parents=[common], help="delete expired records in batches")
     p.add_argument(
-        "--batch-size", type=_positive_int, default=1000, help="rows per statement (default 1000)"
+        "--batch-size", type=_count, default=1000, help="rows per statement (default 1000)"
     )
     p.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
-    p.add_argument("--pause", type=float, default=0.0, help="seconds between batches (default 0)")
+    p.add_argument("--pause", type=_pause, default=0.0, help="seconds between batches (default 0)")
     p.add_argument(
-        "--max-batches", type=_positive_int, default=1_000_000, help="stop after this many batches"
+        "--max-batches", type=_count, default=1_000_000, help="stop after this many batches"
     )
     p.add_argument("--quiet", action="store_true", help="print nothing on success")
     p.add_argument("--json", action="store_true", help="print one JSON object")

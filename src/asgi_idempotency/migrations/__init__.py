@@ -18,11 +18,16 @@ SCRIPT_LOCATION = str(Path(__file__).parent)
 
 
 def alembic_config(url: str) -> Config:
-    """An alembic ``Config`` for ``url`` (async URLs such as ``postgresql+asyncpg`` work)."""
+    """An alembic ``Config`` for the database at ``url``.
+
+    Any spelling :func:`asgi_idempotency.urls.async_url` accepts (``postgres://``,
+    ``sqlite:///path.db``, ...). The URL travels in ``Config.attributes``, which
+    ``env.py`` reads before ``-x url=``, ``$IDEMPOTENCY_DATABASE_URL`` and the ini, so
+    code that names a database migrates that one whatever the environment says.
+    """
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPT_LOCATION)
-    # ConfigParser interpolation: a literal % in a password must be doubled.
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.attributes["url"] = url
     return cfg
 
 

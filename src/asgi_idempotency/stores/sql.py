@@ -25,6 +25,7 @@ from sqlalchemy import Executable, event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import StoreError
+from ..urls import async_url
 from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .schema import metadata
@@ -259,6 +260,7 @@ def _hot_path_limit(engine: AsyncEngine) -> int:
 
 
 def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEngine:
+    url = async_url(url)  # the one URL rule (asgi_idempotency.urls): postgres:// -> asyncpg
     kwargs: dict[str, Any] = {}
     if url.startswith("postgresql"):
         kwargs = {

@@ -1,0 +1,103 @@
+"""The one rule for database URLs, shared by :class:`SQLStore`, the CLI and alembic's ``env.py``.
+
+The store runs on two async drivers, asyncpg and aiosqlite. A URL that names the
+database but no driver gets the async one; a URL that names any other driver is
+refused rather than half-used:
+
+======================================  ===========================================
+given                                   used
+======================================  ===========================================
+``postgresql://…``, ``postgres://…``    ``postgresql+asyncpg://…``
+``postgresql+asyncpg://…``              unchanged
+``postgres+asyncpg://…``                ``postgresql+asyncpg://…``
+``sqlite:///path.db``, ``sqlite://``    ``sqlite+aiosqlite:///path.db`` (``sqlite://``: in memory)
+``sqlite+aiosqlite:///path.db``         unchanged
+``postgresql+psycopg2://…`` and other   :class:`ValueError`, naming the accepted spellings
+drivers, other databases
+======================================  ===========================================
+
+Messages never carry a password: show URLs through :func:`redact`.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+__all__ = ["ACCEPTED", "ENV_URL", "async_url", "redact", "sqlite_path"]
+
+#: The environment variable the CLI and alembic's ``env.py`` read the database URL from.
+ENV_URL = "IDEMPOTENCY_DATABASE_URL"
+
+#: The spellings :func:`async_url` accepts, for messages.
+ACCEPTED = (
+    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
+    "sqlite:///path.db or sqlite+aiosqlite:///path.db"
+)
+
+# Backend (the part of the scheme before "+") -> (canonical backend, the one async driver).
+_ASYNC = {
+    "postgresql": ("postgresql", "asyncpg"),
+    "postgres": ("postgresql", "asyncpg"),
+    "sqlite": ("sqlite", "aiosqlite"),
+}
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
+        # The exception's text never repeats the URL (which may hold a password).
+        raise ValueError(f"malformed database URL ({exc}): use {ACCEPTED}") from None
+
+
+def async_url(url: str) -> str:
+    """``url`` with its async driver: asyncpg for PostgreSQL, aiosqlite for SQLite.
+
+    The rest of the URL (credentials, host, database, query) is kept as given.
+
+    Raises:
+        ValueError: ``url`` is malformed, names a database other than PostgreSQL or
+            SQLite, or names a driver other than asyncpg or aiosqlite (such as the
+            synchronous psycopg2). The message lists the accepted spellings and
+            never includes the password.
+    """
+    parsed = _parse(url)
+    backend, _, driver = parsed.drivername.lower().partition("+")
+    if backend not in _ASYNC:
+        raise ValueError(f"unsupported database URL scheme {parsed.drivername!r}: use {ACCEPTED}")
+    canonical, async_driver = _ASYNC[backend]
+    if driver not in ("", async_driver):
+        raise ValueError(
+            f"unsupported database URL scheme {parsed.drivername!r}: the store needs the "
+            f"async driver {async_driver}, not {driver}: use {ACCEPTED}"
+        )
+    return parsed.set(drivername=f"{canonical}+{async_driver}").render_as_string(
+        hide_password=False
+    )
+
+
+def redact(url: str) -> str:
+    """``url`` as it may be shown or logged: any password replaced by ``***``.
+
+    A URL that cannot be parsed is not shown at all (it might hold a password where
+    the parser did not expect one).
+    """
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return "<malformed database URL>"
+    if "password" in parsed.query:  # the drivers also take it as a query parameter
+        parsed = parsed.update_query_dict({"password": "redacted"})
+    return parsed.render_as_string(hide_password=True).replace("password=redacted", "password=***")
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file a SQLite URL opens, or ``None`` (not SQLite, in memory, or a ``file:`` URI)."""
+    parsed = _parse(url)
+    if not parsed.drivername.lower().startswith("sqlite"):
+        return None
+    database = parsed.database
+    if not database or database == ":memory:" or parsed.query.get("uri") == "true":
+        return None
+    return database
