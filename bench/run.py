@@ -21,15 +21,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency.serving import free_port
+from asgi_idempotency._serve import UvicornProcess, uvicorn_process
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -130,46 +128,21 @@ async def prepare_sqlite(path: str) -> None:
         await store.close()
 
 
-@dataclass
-class Server:
-    variant: str
-    port: int
-    process: subprocess.Popen[bytes]
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def start_server(variant: str, env: dict[str, str], log_dir: Path) -> Server:
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "uvicorn", "app:create", "--factory", "--app-dir", str(HERE),
-        "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-        "--no-access-log", "--log-level", "warning",
-    ]  # fmt: skip
-    out = (log_dir / f"{variant}.log").open("wb")
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, **env, "BENCH_VARIANT": variant},
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def start_server(
+    variant: str, env: dict[str, str], log_dir: Path
+) -> contextlib.AbstractContextManager[UvicornProcess]:
+    """``variant`` of ``bench/app.py`` in uvicorn, up until the context exits (then killed)."""
+    args = (
+        "--factory", "--app-dir", str(HERE), "--loop", "uvloop", "--http", "httptools",
+        "--no-access-log",
+    )  # fmt: skip
+    return uvicorn_process(
+        "app:create",
+        env={**env, "BENCH_VARIANT": variant},
+        log=log_dir / f"{variant}.log",
+        args=args,
+        ready_path="/health",
     )
-    server = Server(variant, port, proc)
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"{variant} server exited:\n{(log_dir / f'{variant}.log').read_text()}")
-        try:
-            with urllib.request.urlopen(server.base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"{variant} server did not start:\n{(log_dir / f'{variant}.log').read_text()}")
-        time.sleep(0.1)
 
 
 def post(base: str, key: str, body: bytes) -> int:
@@ -188,14 +161,20 @@ def post(base: str, key: str, body: bytes) -> int:
 
 
 def run_wrk(
-    wrk: str, server: Server, workload: str, *, duration: float, connections: int, threads: int
+    wrk: str,
+    server: UvicornProcess,
+    workload: str,
+    *,
+    duration: float,
+    connections: int,
+    threads: int,
 ) -> dict[str, Any]:
     nonce = uuid.uuid4().hex[:12]
-    post(server.base, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
+    post(server.base_url, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
     cmd = [
         wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s",
         "--timeout", "10s",
-        "-s", str(HERE / "wrk" / "guard.lua"), server.base, "--", workload, nonce,
+        "-s", str(HERE / "wrk" / "guard.lua"), server.base_url, "--", workload, nonce,
     ]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
@@ -425,8 +404,8 @@ def main() -> None:
     asyncio.run(prepare_postgres(admin_url, args.pg))
     tmp = Path(tempfile.mkdtemp(prefix="bench_idem_"))
     env = {"BENCH_PG_URL": args.pg, "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1"}
-    servers: dict[str, Server] = {}
-    try:
+    servers: dict[str, UvicornProcess] = {}
+    with contextlib.ExitStack() as stack:
         for variant in variants:
             if variant in ("sqlite", "floor_sqlite"):
                 path = str(tmp / f"{variant}.db")
@@ -434,8 +413,9 @@ def main() -> None:
                 env_v = {**env, "BENCH_SQLITE_PATH": path}
             else:
                 env_v = env
-            servers[variant] = start_server(variant, env_v, tmp)
-        log(f"servers up: {', '.join(f'{v}:{s.port}' for v, s in servers.items())}; logs in {tmp}")
+            servers[variant] = stack.enter_context(start_server(variant, env_v, tmp))
+        up = ", ".join(f"{v} {s.base_url}" for v, s in servers.items())
+        log(f"servers up: {up}; logs in {tmp}")
         for server in servers.values():  # warm-up: connections, prepared statements, caches
             run_wrk(
                 wrk, server, "mix", duration=1, connections=args.connections, threads=args.threads
@@ -461,13 +441,6 @@ def main() -> None:
                     log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
                         f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
-    finally:
-        for server in servers.values():
-            try:
-                os.killpg(server.process.pid, 15)
-                server.process.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(server.process.pid, 9)
 
     table = summarize(cells)
     trips = asyncio.run(count_round_trips(args.pg))

@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from asgi_idempotency._serve import UvicornProcess
+
 ROWS = 10_000_000
 EXPIRED = 1_000_000
 
@@ -44,13 +46,12 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
     env = {"BENCH_PG_URL": url, "BENCH_GC_FREEZE": "1"}
     out: dict[str, Any] = {}
 
-    def load(server: bench.Server, seconds: int) -> dict[str, Any]:
+    def load(server: UvicornProcess, seconds: int) -> dict[str, Any]:
         return bench.run_wrk(
             wrk, server, "fresh", duration=seconds, connections=connections, threads=threads
         )
 
-    server = bench.start_server("pg", env, log_dir)
-    try:
+    with bench.start_server("pg", env, log_dir) as server:
         load(server, 2)
         empty = load(server, 10)
         bench.log(f"scale: empty table      p50 {empty['p50_us'] / 1000:.2f} ms")
@@ -104,9 +105,6 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
             f"{after['p99_us'] / 1000:.2f} ms after; during prune {during['p99_us'] / 1000:.2f} ms "
             f"({sum(pruned):,} rows pruned in {prune_took[0]:.1f} s)"
         )
-    finally:
-        server.process.terminate()
-        server.process.wait(timeout=10)
 
     p50_ratio = full["p50_us"] / empty["p50_us"]
     p99_ratio = during["p99_us"] / base["p99_us"]

@@ -27,7 +27,6 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.serving import Server, free_port, run_uvicorn
 from asgi_idempotency.stores.base import Store
 
 NO_POSTGRES = (
@@ -170,8 +169,16 @@ async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
         await sql.close()
 
 
-# Real uvicorn processes: the same helper the demo uses (re-exported for the tests).
-__all__ = ["Server", "free_port", "run_uvicorn"]
+@pytest.fixture
+def refused_url() -> Iterator[str]:
+    """A loopback base URL that refuses connections (a ``ConnectError``: nothing is sent).
+
+    Its port stays bound, never listening, for the whole test, so no other process
+    can start listening there meanwhile.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from asgi_idempotency import SQLStore
 from asgi_idempotency.demo import count_refunds
-from tests.conftest import run_uvicorn
+from tests.serving import run_uvicorn
 
 pytestmark = pytest.mark.anyio
 

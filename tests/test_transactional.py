@@ -20,7 +20,8 @@ from starlette.routing import Route
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore, idempotent
 from asgi_idempotency.demo import kill_after_write, refunds
 from asgi_idempotency.transactional import get_connection, get_session
-from tests.conftest import run_uvicorn, truncate
+from tests.conftest import truncate
+from tests.serving import run_uvicorn
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
