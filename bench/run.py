@@ -1,4 +1,4 @@
-"""The idempotency benchmark: one command, ``python bench/run.py`` (README: "Performance").
+"""The idempotency benchmark: one command, ``python -m bench.run`` (README: "Performance").
 
 Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
 one worker, loopback) in every variant at once, then drives them with wrk in
@@ -21,17 +21,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import UvicornProcess, uvicorn_process
+from asgi_idempotency._serve import UvicornProcess
+from bench.harness import HERE, log, prepare_postgres, run_wrk, start_server
 
-HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
 
 VARIANTS = ["none", "memory", "floor_memory", "pg", "floor_pg", "sqlite", "floor_sqlite"]
 WORKLOADS = ["fresh", "replay", "mix"]
@@ -47,10 +45,6 @@ LABELS = {
     "sqlite": "ours, SQLite",
     "floor_sqlite": "floor, aiosqlite",
 }
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -73,30 +67,6 @@ def ensure_wrk() -> str:
     if not found:
         sys.exit("wrk could not be installed; install it (apt-get install wrk) and rerun")
     return found
-
-
-async def prepare_postgres(admin_url: str, url: str) -> None:
-    import asyncpg
-
-    from asgi_idempotency import SQLStore
-
-    dbname = url.rsplit("/", 1)[1]
-    admin = await asyncpg.connect(admin_url)
-    try:
-        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname):
-            await admin.execute(f'CREATE DATABASE "{dbname}"')
-    finally:
-        await admin.close()
-    store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
-    try:
-        await store.create_all()
-    finally:
-        await store.close()
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute("TRUNCATE idempotency_records")
-    finally:
-        await conn.close()
 
 
 async def settle_postgres(url: str) -> None:
@@ -128,63 +98,6 @@ async def prepare_sqlite(path: str) -> None:
         await store.close()
 
 
-def start_server(
-    variant: str, env: dict[str, str], log_dir: Path
-) -> contextlib.AbstractContextManager[UvicornProcess]:
-    """``variant`` of ``bench/app.py`` in uvicorn, up until the context exits (then killed)."""
-    args = (
-        "--factory", "--app-dir", str(HERE), "--loop", "uvloop", "--http", "httptools",
-        "--no-access-log",
-    )  # fmt: skip
-    return uvicorn_process(
-        "app:create",
-        env={**env, "BENCH_VARIANT": variant},
-        log=log_dir / f"{variant}.log",
-        args=args,
-        ready_path="/health",
-    )
-
-
-def post(base: str, key: str, body: bytes) -> int:
-    req = urllib.request.Request(
-        base + "/orders/o-42/refunds",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json", "Idempotency-Key": key},
-    )
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return int(r.status)
-
-
-# ---------------------------------------------------------------------------------------
-# Load.
-
-
-def run_wrk(
-    wrk: str,
-    server: UvicornProcess,
-    workload: str,
-    *,
-    duration: float,
-    connections: int,
-    threads: int,
-) -> dict[str, Any]:
-    nonce = uuid.uuid4().hex[:12]
-    post(server.base_url, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
-    cmd = [
-        wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s",
-        "--timeout", "10s",
-        "-s", str(HERE / "wrk" / "guard.lua"), server.base_url, "--", workload, nonce,
-    ]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk printed no result:\n{out}")
-    data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
-    data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
-    return data
-
-
 # ---------------------------------------------------------------------------------------
 # Round trips, counted on the Postgres wire (pgwire.WireCounter), per outcome.
 
@@ -193,11 +106,11 @@ async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]
     import logging
 
     import httpx
-    from pgwire import WireCounter
+
+    from bench import app as bench_app
+    from bench.pgwire import WireCounter
 
     logging.getLogger("asgi_idempotency").setLevel(logging.CRITICAL)  # 409/422 are expected
-
-    import app as bench_app
 
     host_port = pg_url.split("@", 1)[1].split("/", 1)[0]
     host, _, port = host_port.partition(":")
@@ -475,7 +388,7 @@ def main() -> None:
 
     scale: dict[str, Any] | None = None
     if args.scale:
-        import scale as scale_mod
+        from bench import scale as scale_mod
 
         scale = scale_mod.run(args.pg, wrk, connections=args.connections, threads=args.threads)
 
