@@ -188,6 +188,7 @@ class Tiny:
     app: Any
     calls: dict[str, int]
     gate: asyncio.Event
+    entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -199,9 +200,9 @@ class Tiny:
 def tiny() -> Any:
     """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
 
-    Routes: ``POST /pay`` (201 with a fresh id; waits on ``gate`` when the body has
-    ``"wait": true``), ``POST /fail/{status}`` (answers that status), ``POST /boom``
-    (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
+    Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``
+    when the body has ``"wait": true``), ``POST /fail/{status}`` (answers that status),
+    ``POST /boom`` (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
     """
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
@@ -213,7 +214,7 @@ def tiny() -> Any:
 
     def build(store: Store, **kwargs: Any) -> Tiny:
         calls: dict[str, int] = {}
-        gate = asyncio.Event()
+        gate, entered = asyncio.Event(), asyncio.Event()
 
         def count(name: str) -> None:
             calls[name] = calls.get(name, 0) + 1
@@ -223,6 +224,7 @@ def tiny() -> Any:
             body = await request.body()
             data = await request.json() if body else {}
             if data.get("wait"):
+                entered.set()
                 await gate.wait()
             return JSONResponse({"id": uuid.uuid4().hex, "echo": data}, status_code=201)
 
@@ -256,6 +258,6 @@ def tiny() -> Any:
             ],
             middleware=[Middleware(IdempotencyMiddleware, store=store, **kwargs)],
         )
-        return Tiny(app, calls, gate)
+        return Tiny(app, calls, gate, entered)
 
     return build

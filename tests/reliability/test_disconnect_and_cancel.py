@@ -139,7 +139,8 @@ async def test_cancelled_handler_stops_renewing_so_the_lease_really_ends(
     headers = [(b"idempotency-key", b"cancel-pg"), JSON]
     body = [b'{"amount": 9, "wait": true}']
     task = asyncio.create_task(asgi_call(t.app, "POST", "/refunds", headers, body))
-    [claimed] = await probe.wait_for("the claim", probe.records, within=5)
+    await asyncio.wait_for(t.started.wait(), 5)  # in the handler, so past its claim
+    [claimed] = await probe.records()
 
     async def renewed() -> bool:
         return any(r.locked_until > claimed.locked_until for r in await probe.records())

@@ -50,10 +50,8 @@ async def _drive(
         await measure("unguarded_get", c.get("/pay"), 200)
 
         wait_key = {"Idempotency-Key": f"rt-{run}-wait"}
-        before = tiny_app.calls.get("pay", 0)
         first = asyncio.create_task(c.post("/pay", json={"wait": True}, headers=wait_key))
-        while tiny_app.calls.get("pay", 0) == before:  # noqa: ASYNC110  # the app has no event
-            await asyncio.sleep(0.01)  # for "handler started"; it counts calls
+        await asyncio.wait_for(tiny_app.entered.wait(), 5)  # the first is inside its handler
         await measure("in_flight_409", c.post("/pay", json={"wait": True}, headers=wait_key), 409)
         tiny_app.gate.set()
         assert (await first).status_code == 201
