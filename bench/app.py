@@ -1,4 +1,4 @@
-"""The benchmark's refund app, in every variant, served by uvicorn: ``--factory app:create``.
+"""The benchmark's refund app, in every variant, served by uvicorn: ``--factory bench.app:create``.
 
 ``BENCH_VARIANT`` picks the guard in front of the same handler:
 

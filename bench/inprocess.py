@@ -1,4 +1,4 @@
-"""The guard's own cost without HTTP: ``python bench/inprocess.py``.
+"""The guard's own cost without HTTP: ``python -m bench.inprocess``.
 
 Calls the benchmark's app (``bench/app.py``) directly as an ASGI callable, one request
 at a time, in the variants that need no database (no guard, the dict floor, ours on
@@ -13,13 +13,9 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = ["none", "floor_memory", "memory"]
 BODY = b'{"amount": 4500, "currency": "EUR"}'
@@ -75,7 +71,7 @@ async def _measure(app: Any, workload: str, n: int) -> float:
 
 async def _run(variant: str, workloads: list[str], n: int) -> dict[str, float]:
     os.environ["BENCH_VARIANT"] = variant
-    import app as bench_app
+    from bench import app as bench_app
 
     asgi = bench_app.create()
     async with asgi.router.lifespan_context(asgi):

@@ -6,7 +6,7 @@ extended protocol (Parse/Bind/Execute ... Sync), ``Query`` for the simple protoc
 trips, whatever the driver or library above does, and the statement texts seen in
 ``Parse``/``Query`` (and the statements named in ``Bind``) tell what each one ran.
 
-Used by ``bench/run.py`` (the round-trip column) and ``tests/stores/test_round_trips.py``.
+Used by ``bench.run`` (the round-trip column) and ``tests/stores/test_round_trips.py``.
 Connect through it without TLS (``?ssl=disable``) so that the stream is readable.
 """
 

@@ -1,4 +1,4 @@
-"""The idempotency benchmark: one command, ``python bench/run.py`` (README: "Performance").
+"""The idempotency benchmark: one command, ``python -m bench.run`` (README: "Performance").
 
 Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
 one worker, loopback) in every variant at once, then drives them with wrk in
@@ -21,19 +21,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency.serving import free_port
+from asgi_idempotency._serve import UvicornProcess
+from bench.harness import HERE, log, prepare_postgres, run_wrk, start_server
 
-HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
 
 VARIANTS = ["none", "memory", "floor_memory", "pg", "floor_pg", "sqlite", "floor_sqlite"]
 WORKLOADS = ["fresh", "replay", "mix"]
@@ -49,10 +45,6 @@ LABELS = {
     "sqlite": "ours, SQLite",
     "floor_sqlite": "floor, aiosqlite",
 }
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -75,30 +67,6 @@ def ensure_wrk() -> str:
     if not found:
         sys.exit("wrk could not be installed; install it (apt-get install wrk) and rerun")
     return found
-
-
-async def prepare_postgres(admin_url: str, url: str) -> None:
-    import asyncpg
-
-    from asgi_idempotency import SQLStore
-
-    dbname = url.rsplit("/", 1)[1]
-    admin = await asyncpg.connect(admin_url)
-    try:
-        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname):
-            await admin.execute(f'CREATE DATABASE "{dbname}"')
-    finally:
-        await admin.close()
-    store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
-    try:
-        await store.create_all()
-    finally:
-        await store.close()
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute("TRUNCATE idempotency_records")
-    finally:
-        await conn.close()
 
 
 async def settle_postgres(url: str) -> None:
@@ -130,82 +98,6 @@ async def prepare_sqlite(path: str) -> None:
         await store.close()
 
 
-@dataclass
-class Server:
-    variant: str
-    port: int
-    process: subprocess.Popen[bytes]
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def start_server(variant: str, env: dict[str, str], log_dir: Path) -> Server:
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "uvicorn", "app:create", "--factory", "--app-dir", str(HERE),
-        "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-        "--no-access-log", "--log-level", "warning",
-    ]  # fmt: skip
-    out = (log_dir / f"{variant}.log").open("wb")
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, **env, "BENCH_VARIANT": variant},
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    server = Server(variant, port, proc)
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"{variant} server exited:\n{(log_dir / f'{variant}.log').read_text()}")
-        try:
-            with urllib.request.urlopen(server.base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"{variant} server did not start:\n{(log_dir / f'{variant}.log').read_text()}")
-        time.sleep(0.1)
-
-
-def post(base: str, key: str, body: bytes) -> int:
-    req = urllib.request.Request(
-        base + "/orders/o-42/refunds",
-        data=body,
-        method="POST",
-        headers={"Content-Type": "application/json", "Idempotency-Key": key},
-    )
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return int(r.status)
-
-
-# ---------------------------------------------------------------------------------------
-# Load.
-
-
-def run_wrk(
-    wrk: str, server: Server, workload: str, *, duration: float, connections: int, threads: int
-) -> dict[str, Any]:
-    nonce = uuid.uuid4().hex[:12]
-    post(server.base, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
-    cmd = [
-        wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s",
-        "--timeout", "10s",
-        "-s", str(HERE / "wrk" / "guard.lua"), server.base, "--", workload, nonce,
-    ]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk printed no result:\n{out}")
-    data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
-    data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
-    return data
-
-
 # ---------------------------------------------------------------------------------------
 # Round trips, counted on the Postgres wire (pgwire.WireCounter), per outcome.
 
@@ -214,11 +106,11 @@ async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]
     import logging
 
     import httpx
-    from pgwire import WireCounter
+
+    from bench import app as bench_app
+    from bench.pgwire import WireCounter
 
     logging.getLogger("asgi_idempotency").setLevel(logging.CRITICAL)  # 409/422 are expected
-
-    import app as bench_app
 
     host_port = pg_url.split("@", 1)[1].split("/", 1)[0]
     host, _, port = host_port.partition(":")
@@ -425,8 +317,8 @@ def main() -> None:
     asyncio.run(prepare_postgres(admin_url, args.pg))
     tmp = Path(tempfile.mkdtemp(prefix="bench_idem_"))
     env = {"BENCH_PG_URL": args.pg, "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1"}
-    servers: dict[str, Server] = {}
-    try:
+    servers: dict[str, UvicornProcess] = {}
+    with contextlib.ExitStack() as stack:
         for variant in variants:
             if variant in ("sqlite", "floor_sqlite"):
                 path = str(tmp / f"{variant}.db")
@@ -434,8 +326,9 @@ def main() -> None:
                 env_v = {**env, "BENCH_SQLITE_PATH": path}
             else:
                 env_v = env
-            servers[variant] = start_server(variant, env_v, tmp)
-        log(f"servers up: {', '.join(f'{v}:{s.port}' for v, s in servers.items())}; logs in {tmp}")
+            servers[variant] = stack.enter_context(start_server(variant, env_v, tmp))
+        up = ", ".join(f"{v} {s.base_url}" for v, s in servers.items())
+        log(f"servers up: {up}; logs in {tmp}")
         for server in servers.values():  # warm-up: connections, prepared statements, caches
             run_wrk(
                 wrk, server, "mix", duration=1, connections=args.connections, threads=args.threads
@@ -461,13 +354,6 @@ def main() -> None:
                     log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
                         f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
-    finally:
-        for server in servers.values():
-            try:
-                os.killpg(server.process.pid, 15)
-                server.process.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(server.process.pid, 9)
 
     table = summarize(cells)
     trips = asyncio.run(count_round_trips(args.pg))
@@ -502,7 +388,7 @@ def main() -> None:
 
     scale: dict[str, Any] | None = None
     if args.scale:
-        import scale as scale_mod
+        from bench import scale as scale_mod
 
         scale = scale_mod.run(args.pg, wrk, connections=args.connections, threads=args.threads)
 

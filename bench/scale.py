@@ -1,4 +1,4 @@
-"""Scale checks for ``bench/run.py --scale`` (slow: fills 10 million rows).
+"""Scale checks for ``python -m bench.run --scale`` (slow: fills 10 million rows).
 
 1. Fresh-key p50 with an empty table, then with 10M rows (generated in SQL, 1M of them
    expired): target within 1.2x.
@@ -18,6 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from asgi_idempotency._serve import UvicornProcess
+from bench import harness
+
 ROWS = 10_000_000
 EXPIRED = 1_000_000
 
@@ -35,25 +38,23 @@ FROM generate_series(1, {ROWS}) AS i
 
 def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, Any]:
     import asyncpg
-    import run as bench
 
     url = pg_url + "_scale"
     admin = pg_url.rsplit("/", 1)[0] + "/postgres"
-    asyncio.run(bench.prepare_postgres(admin, url))
+    asyncio.run(harness.prepare_postgres(admin, url))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_scale_"))
     env = {"BENCH_PG_URL": url, "BENCH_GC_FREEZE": "1"}
     out: dict[str, Any] = {}
 
-    def load(server: bench.Server, seconds: int) -> dict[str, Any]:
-        return bench.run_wrk(
+    def load(server: UvicornProcess, seconds: int) -> dict[str, Any]:
+        return harness.run_wrk(
             wrk, server, "fresh", duration=seconds, connections=connections, threads=threads
         )
 
-    server = bench.start_server("pg", env, log_dir)
-    try:
+    with harness.start_server("pg", env, log_dir) as server:
         load(server, 2)
         empty = load(server, 10)
-        bench.log(f"scale: empty table      p50 {empty['p50_us'] / 1000:.2f} ms")
+        harness.log(f"scale: empty table      p50 {empty['p50_us'] / 1000:.2f} ms")
 
         async def fill() -> None:
             conn = await asyncpg.connect(url)
@@ -67,10 +68,10 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
 
         started = time.monotonic()
         asyncio.run(fill())
-        bench.log(f"scale: filled {ROWS:,} rows in {time.monotonic() - started:.0f} s")
+        harness.log(f"scale: filled {ROWS:,} rows in {time.monotonic() - started:.0f} s")
         load(server, 2)
         full = load(server, 10)
-        bench.log(f"scale: {ROWS:,} rows   p50 {full['p50_us'] / 1000:.2f} ms")
+        harness.log(f"scale: {ROWS:,} rows   p50 {full['p50_us'] / 1000:.2f} ms")
 
         pruned: list[int] = []
         prune_took: list[float] = []
@@ -99,14 +100,11 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
         pruner.join()
         after = load(server, 10)
         base = min(before, after, key=lambda r: r["p99_us"])
-        bench.log(
+        harness.log(
             f"scale: p99 without prune {before['p99_us'] / 1000:.2f} ms before, "
             f"{after['p99_us'] / 1000:.2f} ms after; during prune {during['p99_us'] / 1000:.2f} ms "
             f"({sum(pruned):,} rows pruned in {prune_took[0]:.1f} s)"
         )
-    finally:
-        server.process.terminate()
-        server.process.wait(timeout=10)
 
     p50_ratio = full["p50_us"] / empty["p50_us"]
     p99_ratio = during["p99_us"] / base["p99_us"]
@@ -115,7 +113,7 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
         ("scale: p99 during 1M-row prune <= 2x no prune", p99_ratio <= 2.0, p99_ratio),
     ]
     for name, ok, value in checks:
-        bench.log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value:.2f}x")
+        harness.log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value:.2f}x")
     out.update(
         empty=empty,
         full=full,

@@ -1,6 +1,6 @@
 """Store-level A/B, no HTTP: SQLStore's hot path against raw asyncpg on the same statements.
 
-``python bench/store_floor.py`` — claim+complete pairs (fresh) and replay claims, 32
+``python -m bench.store_floor`` — claim+complete pairs (fresh) and replay claims, 32
 concurrent tasks, the same pool size on both sides, alternating rounds; prints ops/s.
 Isolates what the store adds over the driver (the HTTP benchmark adds the middleware).
 """
@@ -15,12 +15,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
-from app import floor_pool
-
 from asgi_idempotency import SQLStore
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.stores.sql import _PG_SQL
+from bench.app import floor_pool
 
 NOW = datetime.now(UTC)
 LEASE, TTL = NOW + timedelta(seconds=30), NOW + timedelta(days=1)

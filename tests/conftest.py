@@ -27,7 +27,6 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.serving import Server, free_port, run_uvicorn
 from asgi_idempotency.stores.base import Store
 
 NO_POSTGRES = (
@@ -170,8 +169,16 @@ async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
         await sql.close()
 
 
-# Real uvicorn processes: the same helper the demo uses (re-exported for the tests).
-__all__ = ["Server", "free_port", "run_uvicorn"]
+@pytest.fixture
+def refused_url() -> Iterator[str]:
+    """A loopback base URL that refuses connections (a ``ConnectError``: nothing is sent).
+
+    Its port stays bound, never listening, for the whole test, so no other process
+    can start listening there meanwhile.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @dataclass
@@ -181,6 +188,7 @@ class Tiny:
     app: Any
     calls: dict[str, int]
     gate: asyncio.Event
+    entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -192,9 +200,9 @@ class Tiny:
 def tiny() -> Any:
     """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
 
-    Routes: ``POST /pay`` (201 with a fresh id; waits on ``gate`` when the body has
-    ``"wait": true``), ``POST /fail/{status}`` (answers that status), ``POST /boom``
-    (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
+    Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``
+    when the body has ``"wait": true``), ``POST /fail/{status}`` (answers that status),
+    ``POST /boom`` (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
     """
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
@@ -206,7 +214,7 @@ def tiny() -> Any:
 
     def build(store: Store, **kwargs: Any) -> Tiny:
         calls: dict[str, int] = {}
-        gate = asyncio.Event()
+        gate, entered = asyncio.Event(), asyncio.Event()
 
         def count(name: str) -> None:
             calls[name] = calls.get(name, 0) + 1
@@ -216,6 +224,7 @@ def tiny() -> Any:
             body = await request.body()
             data = await request.json() if body else {}
             if data.get("wait"):
+                entered.set()
                 await gate.wait()
             return JSONResponse({"id": uuid.uuid4().hex, "echo": data}, status_code=201)
 
@@ -249,6 +258,6 @@ def tiny() -> Any:
             ],
             middleware=[Middleware(IdempotencyMiddleware, store=store, **kwargs)],
         )
-        return Tiny(app, calls, gate)
+        return Tiny(app, calls, gate, entered)
 
     return build

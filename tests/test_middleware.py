@@ -77,10 +77,7 @@ async def test_duplicate_while_in_flight_is_409_with_retry_after(store: Store, t
     t = tiny(store, policies={"POST /pay": Policy(required=True)})
     async with t.client() as c:
         first = asyncio.create_task(c.post("/pay", json={"wait": True}, headers=KEY))
-        for _ in range(500):  # until the first request is inside its handler
-            if t.calls.get("pay"):
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(t.entered.wait(), 5)  # the first request is inside its handler
         dup = await c.post("/pay", json={"wait": True}, headers=KEY)
         mismatch = await c.post("/pay", json={"wait": False}, headers=KEY)
         t.gate.set()

@@ -20,7 +20,8 @@ from starlette.routing import Route
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore, idempotent
 from asgi_idempotency.demo import kill_after_write, refunds
 from asgi_idempotency.transactional import get_connection, get_session
-from tests.conftest import run_uvicorn, truncate
+from tests.conftest import truncate
+from tests.serving import run_uvicorn
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -41,14 +42,25 @@ async def record_rows(store: SQLStore) -> list[Any]:
         return list(await conn.execute(text("SELECT status FROM idempotency_records")))
 
 
-def tx_app(store: SQLStore, calls: list[str], failures: list[str] | None = None) -> Starlette:
-    """``failures`` scripts how the next calls fail, so a retry can send the same body."""
+def tx_app(
+    store: SQLStore,
+    calls: list[str],
+    failures: list[str] | None = None,
+    *,
+    entered: asyncio.Event | None = None,
+) -> Starlette:
+    """``failures`` scripts how the next calls fail, so a retry can send the same body.
+
+    ``entered`` is set by every call once it is inside the handler.
+    """
     failures = failures if failures is not None else []
 
     async def refund(request: Request) -> Response:
         body = await request.json()
         body.setdefault("mode", failures.pop(0) if failures else "ok")
         calls.append(body["mode"])
+        if entered is not None:
+            entered.set()
         session = get_session(request)
         await session.execute(
             insert(refunds).values(id=f"r{len(calls)}", order_id="1", amount=body["amount"])
@@ -131,7 +143,8 @@ async def test_connection_cut_mid_handler_rolls_back_and_answers_503(pg_store: S
 
 async def test_storm_never_waits_on_the_first_requests_lock(pg_store: SQLStore) -> None:
     calls: list[str] = []
-    async with client(tx_app(pg_store, calls)) as c:
+    entered = asyncio.Event()
+    async with client(tx_app(pg_store, calls, entered=entered)) as c:
 
         async def one() -> tuple[httpx.Response, float]:
             t0 = time.monotonic()
@@ -141,10 +154,7 @@ async def test_storm_never_waits_on_the_first_requests_lock(pg_store: SQLStore) 
             return r, time.monotonic() - t0
 
         first = asyncio.create_task(one())
-        for _ in range(500):
-            if calls:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(entered.wait(), 5)  # the first holds its claim, in its handler
         dups = await asyncio.gather(*(one() for _ in range(30)))
         mismatch = await c.post("/refunds", json={"amount": 6}, headers={"Idempotency-Key": "s"})
         winner, _ = await first

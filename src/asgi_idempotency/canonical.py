@@ -118,8 +118,8 @@ def canonicalize_json_bytes(body: bytes) -> bytes | None:
 
     Invalid, non-UTF-8 or too deeply nested documents return ``None`` so the caller
     fingerprints the raw bytes and lets the handler answer with its own 4xx. Gives
-    the same bytes as :func:`canonical_json` of the parsed document, faster: this
-    runs on every guarded request.
+    the same bytes as :func:`canonical_json` of the parsed document; a path of its
+    own because every guarded JSON request takes it.
     """
     try:
         parsed = orjson.loads(body)

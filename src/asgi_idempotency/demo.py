@@ -44,6 +44,7 @@ refunds = Table(
 )
 
 DEFAULT_URL = "sqlite+aiosqlite:///./idempotency-demo.db"
+_APP = "asgi_idempotency.demo:app"  # for uvicorn in a child process, configured by _from_env
 
 
 def create_app(
@@ -125,32 +126,14 @@ def _from_env() -> Starlette:
     )
 
 
-async def _serve(app: Starlette) -> tuple[Any, asyncio.Task[None], str]:
-    import socket
-
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve())
-    for _ in range(200):
-        if server.started:
-            break
-        await asyncio.sleep(0.025)
-    return server, task, f"http://127.0.0.1:{port}"
-
-
 async def play_incident(
     url: str, *, guarded: bool, client_timeout: float = 1.0, delay: float = 1.5
 ) -> int:
     """Serve the refund app on loopback and replay the incident; return the refunds issued."""
     import httpx
 
-    server, task, base = await _serve(create_app(url, guarded=guarded))
+    from ._serve import serve_in_thread
+
     label = "guarded  " if guarded else "unguarded"
     started = time.monotonic()
 
@@ -159,7 +142,7 @@ async def play_incident(
 
     key = {"Idempotency-Key": f"refund-order-42-{uuid.uuid4().hex[:8]}"}
     body = {"amount": 4500, "delay": delay}
-    try:
+    with serve_in_thread(create_app(url, guarded=guarded), lifespan="on") as base:
         async with httpx.AsyncClient(base_url=base, timeout=client_timeout) as client:
             say(f"POST /orders/42/refunds (handler takes {delay}s, client waits {client_timeout}s)")
             try:
@@ -182,9 +165,6 @@ async def play_incident(
                 break
             await asyncio.sleep(delay)  # let any straggling handler finish before counting
             count = (await client.get("/refunds/count")).json()["refunds"]
-    finally:
-        server.should_exit = True
-        await task
     say(f"refunds issued: {count}")
     return int(count)
 
@@ -210,7 +190,7 @@ async def kill_after_write(
 
     import httpx
 
-    from .serving import run_uvicorn
+    from ._serve import uvicorn_process
 
     await prepare(url)
     store = SQLStore(url)
@@ -231,7 +211,8 @@ async def kill_after_write(
     try:
         before = await count_refunds(store)
         with tempfile.TemporaryDirectory() as tmp:
-            with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=Path(tmp)) as server:
+            crash_log, retry_log = Path(tmp) / "uvicorn-crash.log", Path(tmp) / "uvicorn-retry.log"
+            with uvicorn_process(_APP, env=env, log=crash_log) as server:
                 async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
                     say(f"[{mode}] POST a refund; the worker writes it, then is SIGKILLed")
                     pending = asyncio.create_task(
@@ -254,7 +235,7 @@ async def kill_after_write(
             after_kill = await count_refunds(store) - before
             say(f"[{mode}] refunds after the crash: {after_kill}")
             await asyncio.sleep(lease + 0.2)
-            with run_uvicorn("asgi_idempotency.demo:app", env=env, log_dir=Path(tmp)) as server:
+            with uvicorn_process(_APP, env=env, log=retry_log) as server:
                 async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
                     r = await client.post("/orders/1/refunds", json=body, headers=key)
                     say(f"[{mode}] retry after the {lease:g}s lease: {r.status_code}")

@@ -33,7 +33,8 @@ def fingerprint(
     client that re-serialises the same request is not told it changed; anything
     else, including invalid JSON, is hashed as sent.
     """
-    # One buffer, one update: the digest is the same as feeding the parts one by one.
+    # Records store this digest: the bytes hashed must never change, or every key in
+    # flight across an upgrade would get 422 (tests/test_fingerprint.py pins golden values).
     parts = [method.encode("ascii", "replace"), b"\x00", path.encode("utf-8", "surrogateescape")]
     parts.append(b"\x00")
     if query_string:

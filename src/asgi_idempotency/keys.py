@@ -22,7 +22,8 @@ __all__ = [
 
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
-# The common case in one C call: a bare token of visible ASCII, optional spaces or tabs around.
+# The common form, matched whole before the full parse below: a bare token of visible
+# ASCII, optional spaces or tabs around.
 _BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
 
 # The principal a record belongs to; None or "" means anonymous. Sync or async.

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     IDEMPOTENCY_KEY_HEADER,
     AsyncIdempotentTransport,
@@ -22,7 +23,6 @@ from asgi_idempotency.client import (
     random_key,
 )
 from tests.client._apps import guarded_app
-from tests.client._servers import serve
 
 # Only reads are cut short; connects get room on a loaded machine.
 READ_TIMEOUT = httpx.Timeout(5.0, read=0.3)
@@ -40,7 +40,7 @@ def _store(kind: str, tmp_path: Path) -> str | Path:
 async def test_slow_server_one_effect_and_the_original_response(kind: str, tmp_path: Path) -> None:
     guarded = guarded_app(_store(kind, tmp_path), delay=HANDLER_DELAY)
     key = derive_key("run-e2e", 0, "refund", ARGS)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         transport = AsyncIdempotentTransport(policy=POLL)
         async with httpx.AsyncClient(
             transport=transport, base_url=url, timeout=READ_TIMEOUT
@@ -59,7 +59,7 @@ async def test_slow_server_one_effect_and_the_original_response(kind: str, tmp_p
 
 def test_sync_client_with_minted_keys_gets_one_effect(tmp_path: Path) -> None:
     guarded = guarded_app("memory", delay=HANDLER_DELAY)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         transport = IdempotentTransport(policy=POLL, key_for=random_key)
         with httpx.Client(transport=transport, base_url=url, timeout=READ_TIMEOUT) as http:
             response = http.post("/refunds", json=ARGS)
@@ -77,7 +77,7 @@ def test_sync_client_with_minted_keys_gets_one_effect(tmp_path: Path) -> None:
 async def test_same_key_other_arguments_is_422_and_not_retried() -> None:
     guarded = guarded_app("memory")
     key = derive_key("run-e2e", 0, "refund", ARGS)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         transport = AsyncIdempotentTransport(policy=POLL)
         async with httpx.AsyncClient(transport=transport, base_url=url, timeout=5.0) as http:
             first = await http.post("/refunds", json=ARGS, headers={IDEMPOTENCY_KEY_HEADER: key})
@@ -103,7 +103,7 @@ async def test_same_key_other_arguments_is_422_and_not_retried() -> None:
 async def test_without_the_transport_the_same_incident_duplicates() -> None:
     """Control: a hand-written retry that forgets the key runs the handler twice."""
     guarded = guarded_app("memory", delay=HANDLER_DELAY)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         async with httpx.AsyncClient(base_url=url, timeout=READ_TIMEOUT) as http:
             for attempt in range(2):
                 key = f"attempt-{attempt}"  # the bug: a new key per attempt

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     AsyncIdempotentTransport,
     LedgerConflict,
@@ -37,7 +38,6 @@ from asgi_idempotency.client import (
     ledger_table,
     random_key,
 )
-from tests.client._servers import serve, unused_port
 
 pytestmark = pytest.mark.anyio
 
@@ -105,7 +105,7 @@ class RefundService:
 @pytest.fixture(scope="module")
 def _refund_server() -> Iterator[tuple[RefundService, str]]:
     service = RefundService()
-    with serve(service.app()) as url:
+    with serve_in_thread(service.app()) as url:
         yield service, url
 
 
@@ -333,7 +333,9 @@ async def test_many_simultaneous_workers_call_once(
 # --- the other outcomes ---------------------------------------------------------------
 
 
-async def test_nothing_sent_is_retried_without_read_back(engine: AsyncEngine) -> None:
+async def test_nothing_sent_is_retried_without_read_back(
+    engine: AsyncEngine, refused_url: str
+) -> None:
     ledger = OutboundLedger(engine, policy=FAST)
     attempts = 0
     read_backs = 0
@@ -343,7 +345,7 @@ async def test_nothing_sent_is_retried_without_read_back(engine: AsyncEngine) ->
         attempts += 1
         async with httpx.AsyncClient(timeout=1.0) as http:
             if attempts < 3:  # nothing listens there: a ConnectError, nothing sent
-                await http.post(f"http://127.0.0.1:{unused_port()}/refunds")
+                await http.post(f"{refused_url}/refunds")
         return b"done"
 
     async def read_back() -> bytes | None:
@@ -442,7 +444,7 @@ async def test_cancellation_mid_call_leaves_unknown_not_pending(
 
 
 async def test_cancellation_during_backoff_after_nothing_was_sent_is_failed(
-    engine: AsyncEngine,
+    engine: AsyncEngine, refused_url: str
 ) -> None:
     slow_backoff = RetryPolicy(attempts=5, timeout=10.0, wait_initial=5.0, wait_jitter=0)
     ledger = OutboundLedger(engine, policy=slow_backoff)
@@ -450,7 +452,7 @@ async def test_cancellation_during_backoff_after_nothing_was_sent_is_failed(
 
     async def call() -> bytes:
         async with httpx.AsyncClient(timeout=1.0) as http:
-            await http.post(f"http://127.0.0.1:{unused_port()}/refunds")
+            await http.post(f"{refused_url}/refunds")
         return b"unreachable"
 
     with anyio.move_on_after(0.5) as scope:

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from asgi_idempotency._serve import serve_in_thread
 from tests.client._apps import guarded_app
-from tests.client._servers import serve
 
 AGENT = Path(__file__).with_name("_agent.py")
 SRC = Path(__file__).parents[2] / "src"
@@ -38,7 +38,7 @@ def test_resumed_run_replays_steps_one_to_four(tmp_path: Path) -> None:
     state, effects = tmp_path / "run.json", tmp_path / "effects.log"
     effects.touch()
     guarded = guarded_app(tmp_path / "idempotency.db", effects_file=effects)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         crashed = _agent(state, url, effects, "--crash-after", "4", expect_rc=70)
         persisted = json.loads(state.read_text())
         resumed = _agent(state, url, effects)
@@ -57,7 +57,7 @@ def test_renumbering_steps_on_resume_duplicates_visibly(tmp_path: Path) -> None:
     state, effects = tmp_path / "run.json", tmp_path / "effects.log"
     effects.touch()
     guarded = guarded_app(tmp_path / "idempotency.db", effects_file=effects)
-    with serve(guarded.app, lifespan="on") as url:
+    with serve_in_thread(guarded.app, lifespan="on") as url:
         crashed = _agent(state, url, effects, "--crash-after", "4", expect_rc=70)
         resumed = _agent(state, url, effects, "--renumber")
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     IDEMPOTENCY_KEY_HEADER,
     AsyncIdempotentTransport,
@@ -22,7 +23,6 @@ from asgi_idempotency.client import (
     RetryPolicy,
     random_key,
 )
-from tests.client._servers import serve, unused_port
 
 # Fast backoff so a test with several retries stays well under a second.
 FAST = RetryPolicy(attempts=5, timeout=10.0, wait_initial=0.01, wait_max=0.05, wait_jitter=0.01)
@@ -68,7 +68,7 @@ class Service:
 @pytest.fixture(scope="module")
 def _server() -> Iterator[tuple[Service, str]]:
     svc = Service([Step()])
-    with serve(svc.app()) as url:
+    with serve_in_thread(svc.app()) as url:
         yield svc, url
 
 
@@ -228,11 +228,10 @@ async def test_exhaustion_says_how_many_attempts_ran_and_why(service: tuple[Serv
     assert len(svc.calls) == 3
 
 
-def test_sync_connect_errors_are_retried_then_exhausted() -> None:
-    url = f"http://127.0.0.1:{unused_port()}"
+def test_sync_connect_errors_are_retried_then_exhausted(refused_url: str) -> None:
     policy = RetryPolicy(attempts=3, timeout=10.0, wait_initial=0.01, wait_max=0.02, wait_jitter=0)
     with (
-        httpx.Client(transport=IdempotentTransport(policy=policy), base_url=url) as http,
+        httpx.Client(transport=IdempotentTransport(policy=policy), base_url=refused_url) as http,
         pytest.raises(RetriesExhausted) as caught,
     ):
         http.post("/op", json={})  # no key needed: nothing was ever sent

@@ -11,7 +11,7 @@ from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
 
-from ..conftest import Server, run_uvicorn
+from ..serving import UvicornProcess, run_uvicorn
 from .support import DEMO, SHARED_LEASE, Probe, TcpProxy, demo_env
 
 
@@ -35,7 +35,7 @@ def probe(pg_store: SQLStore) -> Probe:
 @pytest.fixture(scope="session")
 def demo_pair(
     pg_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Server, Server]]:
+) -> Iterator[tuple[UvicornProcess, UvicornProcess]]:
     """Two demo servers (two processes, one Postgres, lease ``SHARED_LEASE``), shared by the suite.
 
     A uvicorn start costs seconds on a busy machine, so the tests that do not kill
@@ -50,7 +50,7 @@ def demo_pair(
     with ExitStack() as stack:
         with ThreadPoolExecutor(len(managers)) as pool:
             futures = [pool.submit(m.__enter__) for m in managers]
-        servers: list[Server] = []
+        servers: list[UvicornProcess] = []
         errors: list[BaseException] = []
         for manager, future in zip(managers, futures, strict=True):
             error = future.exception()

@@ -23,7 +23,7 @@ from asgi_idempotency import SQLStore
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import RecordStatus, Store
 
-from ..conftest import Server
+from ..serving import UvicornProcess
 from .apps import asgi_call, refund_app
 from .support import Probe
 
@@ -45,7 +45,7 @@ def _raw_post(port: int, path: str, key: str, body: dict[str, Any]) -> socket.so
 @pytest.mark.slow
 @pytest.mark.postgres
 async def test_client_closes_mid_request_handler_finishes_and_retry_gets_the_replay(
-    demo_pair: tuple[Server, Server], probe: Probe
+    demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe
 ) -> None:
     path, key, body = "/orders/o-3/refunds", "refund-o-3", {"amount": 300, "delay": 0.5}
     server = demo_pair[0]
@@ -139,7 +139,8 @@ async def test_cancelled_handler_stops_renewing_so_the_lease_really_ends(
     headers = [(b"idempotency-key", b"cancel-pg"), JSON]
     body = [b'{"amount": 9, "wait": true}']
     task = asyncio.create_task(asgi_call(t.app, "POST", "/refunds", headers, body))
-    [claimed] = await probe.wait_for("the claim", probe.records, within=5)
+    await asyncio.wait_for(t.started.wait(), 5)  # in the handler, so past its claim
+    [claimed] = await probe.records()
 
     async def renewed() -> bool:
         return any(r.locked_until > claimed.locked_until for r in await probe.records())

@@ -11,14 +11,14 @@ import asyncio
 import httpx
 import pytest
 
-from ..conftest import Server
+from ..serving import UvicornProcess
 from .support import SHARED_LEASE, Probe
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]
 
 
 async def test_timed_out_client_retries_get_409_then_the_original_refund_replayed(
-    demo_pair: tuple[Server, Server], probe: Probe
+    demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe
 ) -> None:
     a, b = demo_pair  # two app processes on one Postgres, as behind a load balancer
     path = "/orders/o-7/refunds"

@@ -13,7 +13,7 @@ import pytest
 
 from asgi_idempotency import SQLStore
 
-from ..conftest import Server
+from ..serving import UvicornProcess
 from .apps import refund_app
 from .support import SHARED_LEASE, Probe, TcpProxy, close_bounded
 
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
 @pytest.mark.slow
 async def test_duplicate_after_each_lease_boundary_gets_409_and_the_handler_runs_once(
-    demo_pair: tuple[Server, Server], probe: Probe
+    demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe
 ) -> None:
     a, b = demo_pair
     lease, delay = SHARED_LEASE, 4 * SHARED_LEASE  # the handler outlives three leases

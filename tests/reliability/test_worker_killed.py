@@ -19,7 +19,7 @@ import pytest
 from asgi_idempotency import SQLStore
 from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
 
-from ..conftest import Server, run_uvicorn
+from ..serving import UvicornProcess, run_uvicorn
 from .support import DEMO, Probe, demo_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
 @pytest.mark.slow
 async def test_abandoned_claim_is_409_until_the_lease_ends_then_taken_over_once(
-    pg_url: str, demo_pair: tuple[Server, Server], probe: Probe, tmp_path: Path
+    pg_url: str, demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe, tmp_path: Path
 ) -> None:
     lease, delay = 2.0, 1.0  # the doomed server's lease; b and c run the shared one
     path, key = "/orders/o-9/refunds", {"Idempotency-Key": "refund-o-9"}

@@ -1,7 +1,7 @@
 """Round trips per outcome, pinned (not timed): the store's cost model from DESIGN.md.
 
 Postgres is counted on the wire, through a loopback proxy that reads the frontend
-protocol (``bench/pgwire.py``): one ``Sync`` or simple ``Query`` is one round trip,
+protocol (``bench.pgwire``): one ``Sync`` or simple ``Query`` is one round trip,
 whatever the driver or SQLAlchemy do above it, BEGIN and COMMIT included. SQLite is
 counted as calls to its connection thread (its round trip) and, through sqlite3's
 trace hook, as the statements the library ran.
@@ -10,10 +10,7 @@ trace hook, as the statements the library ran.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,22 +18,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
+from bench import pgwire
 
 pytestmark = pytest.mark.anyio
-
-
-def _load_pgwire() -> Any:
-    path = Path(__file__).resolve().parents[2] / "bench" / "pgwire.py"
-    spec = importlib.util.spec_from_file_location("_bench_pgwire", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-pgwire = _load_pgwire()
 
 
 async def _drive(
@@ -66,10 +50,8 @@ async def _drive(
         await measure("unguarded_get", c.get("/pay"), 200)
 
         wait_key = {"Idempotency-Key": f"rt-{run}-wait"}
-        before = tiny_app.calls.get("pay", 0)
         first = asyncio.create_task(c.post("/pay", json={"wait": True}, headers=wait_key))
-        while tiny_app.calls.get("pay", 0) == before:  # noqa: ASYNC110  # the app has no event
-            await asyncio.sleep(0.01)  # for "handler started"; it counts calls
+        await asyncio.wait_for(tiny_app.entered.wait(), 5)  # the first is inside its handler
         await measure("in_flight_409", c.post("/pay", json={"wait": True}, headers=wait_key), 409)
         tiny_app.gate.set()
         assert (await first).status_code == 201

@@ -1,0 +1,100 @@
+"""What ``bench.run`` and ``bench.scale`` share: a Postgres database, a server, one wrk cell."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from asgi_idempotency._serve import UvicornProcess, uvicorn_process
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # on the servers' sys.path, so that they import ``bench.app``
+
+
+def log(msg: str) -> None:
+    """Print ``msg`` at once (the benchmark's progress, with output piped to a file)."""
+    print(msg, flush=True)
+
+
+async def prepare_postgres(admin_url: str, url: str) -> None:
+    """Create database ``url`` if missing (through ``admin_url``), with the schema; empty it."""
+    import asyncpg
+
+    from asgi_idempotency import SQLStore
+
+    dbname = url.rsplit("/", 1)[1]
+    admin = await asyncpg.connect(admin_url)
+    try:
+        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname):
+            await admin.execute(f'CREATE DATABASE "{dbname}"')
+    finally:
+        await admin.close()
+    store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
+    try:
+        await store.create_all()
+    finally:
+        await store.close()
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("TRUNCATE idempotency_records")
+    finally:
+        await conn.close()
+
+
+def start_server(
+    variant: str, env: dict[str, str], log_dir: Path
+) -> contextlib.AbstractContextManager[UvicornProcess]:
+    """``variant`` of ``bench/app.py`` in uvicorn, up until the context exits (then killed)."""
+    args = (
+        "--factory", "--app-dir", str(ROOT), "--loop", "uvloop", "--http", "httptools",
+        "--no-access-log",
+    )  # fmt: skip
+    return uvicorn_process(
+        "bench.app:create",
+        env={**env, "BENCH_VARIANT": variant},
+        log=log_dir / f"{variant}.log",
+        args=args,
+        ready_path="/health",
+    )
+
+
+def post(base: str, key: str, body: bytes) -> int:
+    """POST ``body`` as a refund under ``key``; return the status code."""
+    req = urllib.request.Request(
+        base + "/orders/o-42/refunds",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Idempotency-Key": key},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return int(r.status)
+
+
+def run_wrk(
+    wrk: str,
+    server: UvicornProcess,
+    workload: str,
+    *,
+    duration: float,
+    connections: int,
+    threads: int,
+) -> dict[str, Any]:
+    nonce = uuid.uuid4().hex[:12]
+    post(server.base_url, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
+    cmd = [
+        wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(duration))}s",
+        "--timeout", "10s",
+        "-s", str(HERE / "wrk" / "guard.lua"), server.base_url, "--", workload, nonce,
+    ]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no result:\n{out}")
+    data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
+    data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
+    return data
