@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 
-store = SQLStore(os.environ.get("DATABASE_URL", "sqlite+aiosqlite:///./refunds.db"))
+store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", "sqlite+aiosqlite:///./refunds.db"))
 
 
 @asynccontextmanager

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.anyio
 
 
 def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> object:
-    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("IDEMPOTENCY_DATABASE_URL", url)
     sys.modules.pop(name, None)
     return importlib.import_module(name)
 

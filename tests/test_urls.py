@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import cli
+from asgi_idempotency import cli, lifecycle
 from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ENV_URL, async_url, redact, sqlite_path
 
@@ -88,7 +88,8 @@ def test_the_cli_uses_the_same_rule_and_variable() -> None:
 
 async def _claim_once(store: SQLStore) -> None:
     now = datetime.now(UTC)
-    claim = await store.claim(
+    claim = await lifecycle.claim(
+        store,
         uuid.uuid4().hex,
         "ab" * 32,
         uuid.uuid4().hex,
