@@ -20,7 +20,9 @@ from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 from asgi_idempotency.demo import demo_metadata, refunds
 from asgi_idempotency.transactional import get_session
 
-store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", "postgresql+asyncpg://postgres@127.0.0.1/postgres"))
+store = SQLStore(
+    os.environ.get("IDEMPOTENCY_DATABASE_URL", "postgresql+asyncpg://postgres@127.0.0.1/postgres")
+)
 
 
 @asynccontextmanager
