@@ -14,8 +14,9 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.stores.base import Store
+from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
+from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore
 
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
@@ -144,19 +146,100 @@ def sqlite_url(tmp_path: Path) -> str:
 STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
-@pytest.fixture(params=STORE_KINDS)
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """Every store kind, each empty; the contract and middleware suites run on all of them."""
-    if request.param == "memory":
+@asynccontextmanager
+async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator[Store]:
+    """An empty store of ``kind`` (one of :data:`STORE_KINDS`), closed afterwards."""
+    if kind == "memory":
         yield MemoryStore()
         return
-    url = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+    url = request.getfixturevalue("pg_url" if kind == "postgres" else "sqlite_url")
     sql = SQLStore(url)
     await truncate(sql)
     try:
         yield sql
     finally:
         await sql.close()
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """Every store kind, each empty; the contract and middleware suites run on all of them."""
+    async with open_store(request, request.param) as opened:
+        yield opened
+
+
+class Claimant:
+    """Claims made as the middleware makes them: on the store, or in a transaction of it.
+
+    In the transactional mode an owned claim keeps its transaction (and the key's
+    lock) open until :meth:`complete` commits it or :meth:`release` rolls it back.
+    """
+
+    def __init__(self, store: Store, *, transactional: bool) -> None:
+        self.store = store
+        self.transactional = transactional
+        self._held: dict[str, tuple[AsyncExitStack, StoreTransaction]] = {}
+
+    async def claim(
+        self, key: str, request_hash: str, token: str, *, now: datetime,
+        locked_until: datetime, expires_at: datetime,
+    ) -> Claim:  # fmt: skip
+        times = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
+        if not self.transactional:
+            return await lifecycle.claim(self.store, key, request_hash, token, **times)
+        assert isinstance(self.store, TransactionalStore)
+        stack = AsyncExitStack()
+        tx = await stack.enter_async_context(self.store.transaction())
+        try:
+            claim = await lifecycle.claim(tx, key, request_hash, token, **times)
+        except BaseException:
+            await stack.aclose()
+            raise
+        if claim.owned:
+            self._held[token] = (stack, tx)
+        else:
+            await stack.aclose()
+        return claim
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        if not self.transactional:
+            return await self.store.complete(key, token, response, expires_at=expires_at)
+        stack, tx = self._held.pop(token)
+        async with stack:
+            await tx.commit(key, token, response, expires_at=expires_at)
+        return True
+
+    async def release(self, key: str, token: str) -> bool:
+        if not self.transactional:
+            return await self.store.release(key, token)
+        stack, _ = self._held.pop(token)
+        await stack.aclose()  # leaving without commit rolls the claim back
+        return True
+
+    async def close(self) -> None:
+        for stack, _ in self._held.values():
+            await stack.aclose()
+        self._held.clear()
+
+
+CLAIMANT_KINDS = [
+    *STORE_KINDS,
+    pytest.param("postgres-transactional", marks=pytest.mark.postgres),
+]
+
+
+@pytest.fixture(params=CLAIMANT_KINDS)
+async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
+    """Every store kind claimed the default way, and Postgres claimed in transactions too."""
+    kind: str = request.param
+    async with open_store(request, kind.removesuffix("-transactional")) as opened:
+        claims = Claimant(opened, transactional=kind.endswith("-transactional"))
+        try:
+            yield claims
+        finally:
+            await claims.close()
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse, lifecycle
-from asgi_idempotency.stores.base import Store
+from asgi_idempotency.stores.base import NewClaim, Store
+from tests.conftest import Claimant
 
 pytestmark = pytest.mark.anyio
 
@@ -143,3 +144,149 @@ async def test_racing_takeovers_have_exactly_one_winner(store: Store) -> None:
     outcomes = [r.outcome for r in results]
     assert outcomes.count(ClaimOutcome.TAKEN_OVER) == 1
     assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 19
+
+
+# The lifecycle's outcome table, claimed both ways: on the store (every kind) and in a
+# transaction of it (Postgres). The row before is written with the store's primitives.
+
+LATER = T0 + LEASE + timedelta(seconds=1)  # past the first claim's lease
+AFTER_TTL = T0 + TTL + timedelta(seconds=1)  # past the first record's retention
+KEY = "k" * 64
+
+
+async def seed(store: Store, row: str) -> None:
+    """Leave ``KEY`` as ``row``: none, running (lease live until LATER), completed, released."""
+    if row == "none":
+        return
+    t = tok()
+    assert (await claim(store, key=KEY, h="h1", token=t)).outcome is ClaimOutcome.CLAIMED
+    if row == "completed":
+        assert await store.complete(KEY, t, RESPONSE, expires_at=T0 + TTL)
+    elif row == "released":
+        assert await store.release(KEY, t)
+
+
+async def claim_as(
+    claimant: Claimant, h: str = "h1", token: str | None = None, now: datetime = T0
+) -> lifecycle.Claim:
+    return await claimant.claim(
+        KEY, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
+    )
+
+
+@pytest.mark.parametrize(
+    ("row", "h", "now", "expected"),
+    [
+        ("none", "h1", T0, ClaimOutcome.CLAIMED),
+        ("released", "h1", T0, ClaimOutcome.CLAIMED),
+        ("running", "h1", T0, ClaimOutcome.IN_PROGRESS),
+        ("running", "h2", T0, ClaimOutcome.MISMATCH),
+        ("running", "h1", LATER, ClaimOutcome.TAKEN_OVER),  # abandoned
+        ("running", "h2", LATER, ClaimOutcome.MISMATCH),
+        ("completed", "h1", T0, ClaimOutcome.COMPLETED),
+        ("completed", "h2", T0, ClaimOutcome.MISMATCH),
+        ("completed", "h2", AFTER_TTL, ClaimOutcome.CLAIMED),  # expired, not yet pruned
+        ("running", "h2", AFTER_TTL, ClaimOutcome.CLAIMED),
+    ],
+)
+async def test_outcome_table(
+    claimant: Claimant, row: str, h: str, now: datetime, expected: ClaimOutcome
+) -> None:
+    await seed(claimant.store, row)
+    t = tok()
+    result = await claim_as(claimant, h=h, token=t, now=now)
+    assert result.outcome is expected
+    if expected is ClaimOutcome.COMPLETED:
+        assert result.record is not None
+        assert result.record.response == RESPONSE
+    if result.owned:
+        # The claim is the caller's: completing it stores exactly its response.
+        assert await claimant.complete(KEY, t, RESPONSE, expires_at=now + TTL)
+        stored = await claimant.store.get(KEY)
+        assert stored is not None
+        assert (stored.status, stored.token, stored.response) == (
+            RecordStatus.COMPLETED, t, RESPONSE,
+        )  # fmt: skip
+
+
+async def test_owned_claim_then_release_lets_a_retry_run(claimant: Claimant) -> None:
+    t = tok()
+    assert (await claim_as(claimant, token=t)).outcome is ClaimOutcome.CLAIMED
+    assert await claimant.release(KEY, t)
+    assert await claimant.store.get(KEY) is None
+    assert (await claim_as(claimant)).outcome is ClaimOutcome.CLAIMED
+
+
+async def test_a_held_claim_answers_in_progress(claimant: Claimant) -> None:
+    assert (await claim_as(claimant)).owned
+    again = await claim_as(claimant)
+    assert again.outcome is ClaimOutcome.IN_PROGRESS
+    if claimant.transactional:
+        assert again.record is None  # answered from the lock: the row is not committed yet
+    else:
+        assert again.record is not None
+        assert again.record.locked_until == T0 + LEASE
+
+
+async def test_concurrent_claims_either_way_have_one_winner(claimant: Claimant) -> None:
+    results = await asyncio.gather(*(claim_as(claimant) for _ in range(30)))
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(ClaimOutcome.CLAIMED) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 29
+
+
+async def test_concurrent_takeovers_either_way_have_one_winner(claimant: Claimant) -> None:
+    await seed(claimant.store, "running")
+    results = await asyncio.gather(*(claim_as(claimant, now=LATER) for _ in range(20)))
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(ClaimOutcome.TAKEN_OVER) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 19
+
+
+# replace is a compare-and-swap on the row as read: any change in between makes it fail.
+
+
+async def test_replace_fails_when_the_lease_was_renewed_after_the_read(store: Store) -> None:
+    owner = tok()
+    await claim(store, key=KEY, token=owner)
+    seen = await store.get(KEY)
+    assert seen is not None
+    # The owner is alive after all: it renews between the taker's read and its swap.
+    assert await store.renew(KEY, owner, locked_until=LATER + LEASE)
+    taker = NewClaim(KEY, "h1", tok(), LATER, LATER + LEASE, LATER + TTL)
+    assert not await store.replace(seen, taker)
+    kept = await store.get(KEY)
+    assert kept is not None
+    assert (kept.token, kept.locked_until) == (owner, LATER + LEASE)
+
+
+async def test_replace_fails_when_the_row_was_completed_or_deleted_after_the_read(
+    store: Store,
+) -> None:
+    owner = tok()
+    await claim(store, key=KEY, token=owner)
+    seen = await store.get(KEY)
+    assert seen is not None
+    taker = NewClaim(KEY, "h1", tok(), LATER, LATER + LEASE, LATER + TTL)
+    assert await store.complete(KEY, owner, RESPONSE, expires_at=T0 + TTL)
+    assert not await store.replace(seen, taker)
+    completed = await store.get(KEY)
+    assert completed is not None
+    assert await store.release(KEY, owner) is False  # completed rows are not released
+    assert completed.token == owner
+    # A row deleted in between: nothing to swap, and nothing is created.
+    await store.prune(now=AFTER_TTL)
+    assert not await store.replace(seen, taker)
+    assert await store.get(KEY) is None
+
+
+async def test_replace_succeeds_on_the_row_exactly_as_read(store: Store) -> None:
+    await claim(store, key=KEY)
+    seen = await store.get(KEY)
+    assert seen is not None
+    taker = NewClaim(KEY, "h1", tok(), LATER, LATER + LEASE, LATER + TTL)
+    assert await store.replace(seen, taker)
+    assert not await store.replace(seen, taker)  # the second swap sees the new row
+    now_owned = await store.get(KEY)
+    assert now_owned is not None
+    assert now_owned.token == taker.token
