@@ -133,3 +133,41 @@ async def test_sql_store_takes_every_postgres_spelling(scheme: str, pg_url: str)
 def test_sql_store_refuses_a_sync_driver() -> None:
     with pytest.raises(ValueError, match="needs the async driver asyncpg, not psycopg2"):
         SQLStore("postgresql+psycopg2://postgres@127.0.0.1/test")
+
+
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        ("postgres://u@h/db?sslmode=require", "postgresql+asyncpg://u@h/db?ssl=require"),
+        ("postgresql://u@h/db?sslmode=verify-full", "postgresql+asyncpg://u@h/db?ssl=verify-full"),
+        (
+            "postgres://u@h/db?sslmode=disable&ssl=disable",
+            "postgresql+asyncpg://u@h/db?ssl=disable",
+        ),
+    ],
+)
+def test_libpq_sslmode_becomes_asyncpg_ssl(given: str, used: str) -> None:
+    assert async_url(given) == used
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgres://u@h/db?sslmode=sometimes", "unsupported sslmode 'sometimes'"),
+        ("postgres://u@h/db?sslmode=require&ssl=disable", "both sslmode and ssl"),
+    ],
+)
+def test_a_bad_sslmode_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        async_url(url)
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+async def test_a_hosting_provider_url_with_sslmode_connects(pg_url: str) -> None:
+    # asyncpg itself refuses sslmode ("unexpected keyword argument"); the rule renames it.
+    store = SQLStore(pg_url.replace("postgresql+asyncpg://", "postgres://") + "?sslmode=prefer")
+    try:
+        await _claim_once(store)
+    finally:
+        await store.close()

@@ -16,6 +16,9 @@ given                                   used
 drivers, other databases
 ======================================  ===========================================
 
+libpq's ``?sslmode=require`` (as hosting providers print their URLs) becomes
+asyncpg's ``?ssl=require``: asyncpg takes the same six modes under that name.
+
 Messages never carry a password: show URLs through :func:`redact`.
 """
 
@@ -72,9 +75,24 @@ def async_url(url: str) -> str:
             f"unsupported database URL scheme {parsed.drivername!r}: the store needs the "
             f"async driver {async_driver}, not {driver}: use {ACCEPTED}"
         )
-    return parsed.set(drivername=f"{canonical}+{async_driver}").render_as_string(
-        hide_password=False
-    )
+    parsed = parsed.set(drivername=f"{canonical}+{async_driver}")
+    if canonical == "postgresql" and "sslmode" in parsed.query:
+        parsed = _ssl_from_sslmode(parsed)
+    return parsed.render_as_string(hide_password=False)
+
+
+_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _ssl_from_sslmode(parsed: URL) -> URL:
+    mode = parsed.query["sslmode"]
+    if not isinstance(mode, str) or mode not in _SSL_MODES:
+        raise ValueError(
+            f"unsupported sslmode {mode!r} in the database URL: use one of {_SSL_MODES}"
+        )
+    if parsed.query.get("ssl", mode) != mode:
+        raise ValueError("the database URL gives both sslmode and ssl, with different values")
+    return parsed.difference_update_query(["sslmode"]).update_query_dict({"ssl": mode})
 
 
 def redact(url: str) -> str:
