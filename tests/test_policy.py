@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -165,6 +166,17 @@ def test_a_ttl_alone_gets_the_smaller_of_30_s_and_the_ttl_as_lease() -> None:
     async def handler() -> None: ...
 
     assert policy_of(handler) == short
+
+
+def test_replace_derives_a_default_lease_again_and_keeps_an_explicit_one() -> None:
+    short = dataclasses.replace(Policy(), ttl=timedelta(seconds=1))
+    assert short.lease == timedelta(seconds=1)
+    assert dataclasses.replace(short, ttl=timedelta(hours=1)).lease == timedelta(seconds=30)
+    assert repr(short).count("lease=datetime.timedelta(seconds=1)") == 1
+    explicit = Policy(ttl=timedelta(hours=1), lease=timedelta(seconds=20))
+    assert dataclasses.replace(explicit, ttl=timedelta(hours=2)).lease == timedelta(seconds=20)
+    with pytest.raises(ValueError, match="exceeds ttl"):
+        dataclasses.replace(explicit, ttl=timedelta(seconds=10))
 
 
 def test_an_explicit_lease_may_equal_the_ttl() -> None:

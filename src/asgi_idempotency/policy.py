@@ -43,6 +43,20 @@ class _LeaseNotGiven:
 _LEASE_NOT_GIVEN: Any = _LeaseNotGiven()
 
 
+class _DefaultLease(timedelta):
+    """A lease resolved from the default, remembered as such.
+
+    ``dataclasses.replace(policy, ttl=...)`` passes the resolved lease back in; it is
+    derived again from the new ttl rather than read as an explicit lease that may now
+    exceed it.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(timedelta(self.days, self.seconds, self.microseconds))
+
+
 def _duration(name: str, value: object) -> timedelta:
     """``value`` if it is a positive ``timedelta``.
 
@@ -106,8 +120,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         ttl = _duration("ttl", self.ttl)
-        if self.lease is _LEASE_NOT_GIVEN:
-            lease = min(_DEFAULT_LEASE, ttl)
+        if self.lease is _LEASE_NOT_GIVEN or isinstance(self.lease, _DefaultLease):
+            shorter = min(_DEFAULT_LEASE, ttl)
+            lease: timedelta = _DefaultLease(shorter.days, shorter.seconds, shorter.microseconds)
         else:
             lease = _duration("lease", self.lease)
             if lease > ttl:
