@@ -16,6 +16,7 @@ writes through too: releasing is rolling back, completing is committing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine
@@ -70,35 +71,38 @@ class Runtime:
         # Completions, releases and transaction closes that outlive a cancelled request.
         self.background: set[asyncio.Task[Any]] = set()
 
-    async def finish(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    async def finish(
+        self, make: Callable[[], Coroutine[Any, Any, T]], route: str, key: str, phase: str
+    ) -> T:
         """Run a completion or release to the end, even if this request is cancelled.
 
         Awaited directly: no task and no extra loop turns on the common path. If a
         cancellation interrupts it, the same statement runs again in a task of its
-        own; both are fenced by the claim's token, so a second run changes nothing
-        a first one that did land had not already done.
+        own, whose failure is logged under the request's route and key digest; both
+        are fenced by the claim's token, so a second run changes nothing a first one
+        that did land had not already done.
         """
         try:
             return await make()
         except asyncio.CancelledError:
-            self._keep(asyncio.ensure_future(make()), log=True)
+            task = asyncio.ensure_future(make())
+            self._keep(task)
+            task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
             raise
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
         task = asyncio.ensure_future(coro)
-        self._keep(task, log=False)
+        self._keep(task)
         return await asyncio.shield(task)
 
-    def _keep(self, task: asyncio.Task[Any], *, log: bool) -> None:
+    def _keep(self, task: asyncio.Task[Any]) -> None:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-        if log:
-            task.add_done_callback(self._log_failure)
 
-    def _log_failure(self, task: asyncio.Task[Any]) -> None:
+    def _log_failure(self, route: str, key: str, phase: str, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error("<background>", "", "background", exc)
+            self.observer.store_error(route, key, phase, exc, after="cancelled")
 
 
 def new_token() -> str:
@@ -212,7 +216,10 @@ class Responder:
         store, key = self.rt.store, self.req.key
         try:
             owned = await self.rt.finish(
-                lambda: store.complete(key, token, stored, expires_at=expires_at)
+                lambda: store.complete(key, token, stored, expires_at=expires_at),
+                self.req.route,
+                key,
+                "complete",
             )
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
@@ -250,7 +257,7 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key = self.rt.store, self.req.key
         try:
-            await self.rt.finish(lambda: store.release(key, token))
+            await self.rt.finish(lambda: store.release(key, token), self.req.route, key, "release")
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
 
