@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.stores.base import Store
@@ -185,7 +186,7 @@ def refused_url() -> Iterator[str]:
 class Tiny:
     """A tiny guarded Starlette app that counts how often its handlers ran."""
 
-    app: Any
+    app: Starlette
     calls: dict[str, int]
     gate: asyncio.Event
     entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
@@ -196,8 +197,14 @@ class Tiny:
         )
 
 
+class TinyFactory(Protocol):
+    """What the ``tiny`` fixture returns; the keywords go to :class:`IdempotencyMiddleware`."""
+
+    def __call__(self, store: Store, **kwargs: Any) -> Tiny: ...
+
+
 @pytest.fixture
-def tiny() -> Any:
+def tiny() -> TinyFactory:
     """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
 
     Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
+
+T = TypeVar("T")
 
 
 class TcpProxy:
@@ -175,7 +178,9 @@ class Probe:
             result = await conn.execute(text("SELECT id, order_id, amount FROM demo_refunds"))
             return [(r.id, r.order_id, r.amount) for r in result]
 
-    async def wait_for(self, what: str, predicate: Any, *, within: float = 10.0) -> Any:
+    async def wait_for(
+        self, what: str, predicate: Callable[[], Awaitable[T]], *, within: float = 10.0
+    ) -> T:
         """Poll ``predicate()`` (async) until truthy; fail after ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
