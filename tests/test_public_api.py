@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import asgi_idempotency
-from tests.client._blocking import run_without
+from tests._blocking import run_without
 
 # What a plain ``pip install asgi-idempotency`` lacks: the packages of the extras.
 NOT_ON_A_PLAIN_INSTALL = "prometheus_client,httpx,stamina,uvicorn"
