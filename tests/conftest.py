@@ -14,7 +14,7 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -135,6 +135,16 @@ async def truncate(store: SQLStore) -> None:
             await conn.execute(text("DELETE FROM demo_refunds"))
 
 
+@asynccontextmanager
+async def emptied(store: SQLStore) -> AsyncIterator[SQLStore]:
+    """``store`` with its tables emptied first, and closed afterwards."""
+    await truncate(store)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite+aiosqlite:///{tmp_path / 'idempotency.db'}"
@@ -152,22 +162,14 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
         yield MemoryStore()
         return
     url = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
-    sql = SQLStore(url)
-    await truncate(sql)
-    try:
+    async with emptied(SQLStore(url)) as sql:
         yield sql
-    finally:
-        await sql.close()
 
 
 @pytest.fixture
 async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
-    sql = SQLStore(pg_url)
-    await truncate(sql)
-    try:
+    async with emptied(SQLStore(pg_url)) as sql:
         yield sql
-    finally:
-        await sql.close()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from asgi_idempotency import ClaimOutcome, SQLStore, StoreError, lifecycle
 from asgi_idempotency.stores.postgres import PostgresDriver
-from tests.conftest import truncate
+from tests.conftest import emptied, truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -22,12 +22,8 @@ NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
 @pytest.fixture
 async def small(pg_url: str) -> AsyncIterator[SQLStore]:
-    store = SQLStore(pg_url, pool_size=2, command_timeout=5)
-    await truncate(store)
-    try:
+    async with emptied(SQLStore(pg_url, pool_size=2, command_timeout=5)) as store:
         yield store
-    finally:
-        await store.close()
 
 
 async def claim(store: SQLStore, key: str) -> ClaimOutcome:
