@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -218,7 +219,7 @@ async def test_oversized_body_is_413_without_touching_the_store(
     async with t.client() as c:
         declared = await c.post("/pay", content=b"x" * 101, headers=KEY)
 
-        async def chunks() -> Any:
+        async def chunks() -> AsyncIterator[bytes]:
             for _ in range(3):
                 yield b"x" * 50
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,8 +53,8 @@ class TcpProxy:
         )
         self.port: int = self._server.sockets[0].getsockname()[1]
 
-    def _call(self, coro: Any) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout=10)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
