@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.applications import Starlette
@@ -32,6 +32,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+if TYPE_CHECKING:  # imported where used, as the other variants do not need it
+    import asyncpg
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -109,11 +112,11 @@ def _sqlite_time(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-async def _no_reset(conn: Any) -> None:
+async def _no_reset(conn: asyncpg.Connection) -> None:
     pass
 
 
-async def floor_pool(url: str, size: int) -> Any:
+async def floor_pool(url: str, size: int) -> asyncpg.Pool:
     """The floor's asyncpg pool: ``size`` connections, no reset on release.
 
     asyncpg's default reset (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) is a round

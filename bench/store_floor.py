@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from asgi_idempotency import SQLStore
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.stores.sql import _PG_SQL
+from asgi_idempotency.stores.statements import PG
 from bench.app import floor_pool
 
 NOW = datetime.now(UTC)
@@ -57,7 +57,7 @@ async def main() -> None:
             url,
             pool_size=args.pool,
             max_overflow=int(overflow),
-            pool_timeout=None if timeout == "none" else float(timeout),  # type: ignore[arg-type]
+            pool_timeout=None if timeout == "none" else float(timeout),
             connect_args={"command_timeout": 5},
         )
         store = SQLStore(engine)
@@ -65,7 +65,7 @@ async def main() -> None:
         store = SQLStore(url, pool_size=args.pool)
     await store.create_all()
     pool = await floor_pool(args.pg, args.pool)
-    claim_sql, complete_sql = _PG_SQL["claim"].sql, _PG_SQL["complete"].sql
+    claim_sql, complete_sql = PG["claim"].sql, PG["complete"].sql
     run = uuid.uuid4().hex[:8]
     await claim(store, f"{run}-r", "h", "t", now=NOW, locked_until=LEASE, expires_at=TTL)
     await store.complete(f"{run}-r", "t", RESPONSE, expires_at=TTL)

@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -26,6 +26,7 @@ from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.lifecycle import Claim
@@ -136,6 +137,16 @@ async def truncate(store: SQLStore) -> None:
             await conn.execute(text("DELETE FROM demo_refunds"))
 
 
+@asynccontextmanager
+async def emptied(store: SQLStore) -> AsyncIterator[SQLStore]:
+    """``store`` with its tables emptied first, and closed afterwards."""
+    await truncate(store)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite+aiosqlite:///{tmp_path / 'idempotency.db'}"
@@ -153,12 +164,8 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
         yield MemoryStore()
         return
     url = request.getfixturevalue("pg_url" if kind == "postgres" else "sqlite_url")
-    sql = SQLStore(url)
-    await truncate(sql)
-    try:
+    async with emptied(SQLStore(url)) as sql:
         yield sql
-    finally:
-        await sql.close()
 
 
 @pytest.fixture(params=STORE_KINDS)
@@ -244,12 +251,8 @@ async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
 
 @pytest.fixture
 async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
-    sql = SQLStore(pg_url)
-    await truncate(sql)
-    try:
+    async with emptied(SQLStore(pg_url)) as sql:
         yield sql
-    finally:
-        await sql.close()
 
 
 @pytest.fixture
@@ -268,7 +271,7 @@ def refused_url() -> Iterator[str]:
 class Tiny:
     """A tiny guarded Starlette app that counts how often its handlers ran."""
 
-    app: Any
+    app: Starlette
     calls: dict[str, int]
     gate: asyncio.Event
     entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
@@ -279,8 +282,14 @@ class Tiny:
         )
 
 
+class TinyFactory(Protocol):
+    """What the ``tiny`` fixture returns; the keywords go to :class:`IdempotencyMiddleware`."""
+
+    def __call__(self, store: Store, **kwargs: Any) -> Tiny: ...
+
+
 @pytest.fixture
-def tiny() -> Any:
+def tiny() -> TinyFactory:
     """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
 
     Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from asgi_idempotency import SQLStore
 from asgi_idempotency.demo import count_refunds
+from tests.conftest import TinyFactory
 from tests.serving import run_uvicorn
 
 pytestmark = pytest.mark.anyio
@@ -30,7 +30,7 @@ def _check_storm(responses: list[httpx.Response]) -> Counter[int]:
 
 
 @pytest.mark.postgres
-async def test_storm_of_one_request_runs_once(pg_store: SQLStore, tiny: Any) -> None:
+async def test_storm_of_one_request_runs_once(pg_store: SQLStore, tiny: TinyFactory) -> None:
     t = tiny(pg_store)
     async with t.client() as c:
 
@@ -45,7 +45,7 @@ async def test_storm_of_one_request_runs_once(pg_store: SQLStore, tiny: Any) -> 
 
 @pytest.mark.postgres
 async def test_storm_with_two_bodies_runs_once_and_the_loser_gets_422(
-    pg_store: SQLStore, tiny: Any
+    pg_store: SQLStore, tiny: TinyFactory
 ) -> None:
     t = tiny(pg_store)
     async with t.client() as c:

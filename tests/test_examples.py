@@ -5,15 +5,17 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import func, select
 
 pytestmark = pytest.mark.anyio
 
 
-def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> object:
+def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> ModuleType:
     monkeypatch.setenv("IDEMPOTENCY_DATABASE_URL", url)
     sys.modules.pop(name, None)
     return importlib.import_module(name)
@@ -21,7 +23,7 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> object:
 
 async def test_fastapi_example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     mod = _load("examples.fastapi_refunds", monkeypatch, f"sqlite+aiosqlite:///{tmp_path}/r.db")
-    app = mod.app  # type: ignore[attr-defined]
+    app: FastAPI = mod.app
     async with (
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c,
@@ -48,7 +50,7 @@ async def test_fastapi_transactional_example(monkeypatch: pytest.MonkeyPatch, pg
     store = SQLStore(pg_url)
     await truncate(store)
     mod = _load("examples.fastapi_transactional", monkeypatch, pg_url)
-    app = mod.app  # type: ignore[attr-defined]
+    app: FastAPI = mod.app
     try:
         async with (
             app.router.lifespan_context(app),

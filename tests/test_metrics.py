@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from asgi_idempotency import (
     IdempotencyMiddleware,
@@ -35,6 +36,7 @@ from asgi_idempotency import prometheus as prometheus_module
 from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
+from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio
 
@@ -81,7 +83,7 @@ EXPECTED = {
 GUARDED = sum(n for (_, o), n in EXPECTED.items() if o is not Outcome.UNGUARDED)
 
 
-async def run_script(store: Store, tiny: Any, sink: FanOutMetrics) -> None:
+async def run_script(store: Store, tiny: TinyFactory, sink: FanOutMetrics) -> None:
     """Every outcome once or twice, through real ASGI requests."""
     app = tiny(store, policies=POLICIES, metrics=sink)
     async with app.client() as client:
@@ -126,7 +128,7 @@ async def run_script(store: Store, tiny: Any, sink: FanOutMetrics) -> None:
 
 
 async def test_every_outcome_is_counted_in_prometheus_and_the_snapshot(
-    store: Store, tiny: Any
+    store: Store, tiny: TinyFactory
 ) -> None:
     registry = CollectorRegistry()
     prom = PrometheusMetrics(registry)
@@ -219,7 +221,7 @@ APPS = pytest.mark.parametrize(
 )
 
 
-def asgi_client(app: Any) -> httpx.AsyncClient:
+def asgi_client(app: ASGIApp) -> httpx.AsyncClient:
     # follow_redirects stays False (httpx's default): a redirect must show as one.
     transport = httpx.ASGITransport(app=app)
     return httpx.AsyncClient(transport=transport, base_url="http://t", follow_redirects=False)
@@ -232,7 +234,9 @@ def assert_scraped(response: httpx.Response) -> None:
 
 
 @APPS
-async def test_the_metrics_route_answers_200_at_slash_metrics(make_app: Callable[[], Any]) -> None:
+async def test_the_metrics_route_answers_200_at_slash_metrics(
+    make_app: Callable[[], Starlette],
+) -> None:
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry)
     app = make_app()
@@ -254,7 +258,9 @@ def readme_prometheus_example() -> str:
 
 
 @APPS
-async def test_the_readme_prometheus_lines_serve_slash_metrics(make_app: Callable[[], Any]) -> None:
+async def test_the_readme_prometheus_lines_serve_slash_metrics(
+    make_app: Callable[[], Starlette],
+) -> None:
     app = make_app()
     # The README's own lines, on the default registry: the second app in this test run
     # registers there too, as a second app in a real process would.
@@ -388,7 +394,7 @@ def assert_structured(record: logging.LogRecord, *, route: str, outcome: str) ->
 
 
 async def test_log_events_carry_route_outcome_and_key_digest_only(
-    store: Store, tiny: Any, caplog: pytest.LogCaptureFixture
+    store: Store, tiny: TinyFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="asgi_idempotency")
     clock = [datetime(2030, 1, 1, tzinfo=UTC)]

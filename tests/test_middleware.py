@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from asgi_idempotency import Policy, SQLStore
 from asgi_idempotency.capture import storable_headers
 from asgi_idempotency.stores.base import Store
+from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio
 
@@ -17,7 +19,9 @@ KEY = {"Idempotency-Key": "order-42"}
 PROBLEM = "application/problem+json"
 
 
-async def test_first_request_runs_then_replays_identical_bytes(store: Store, tiny: Any) -> None:
+async def test_first_request_runs_then_replays_identical_bytes(
+    store: Store, tiny: TinyFactory
+) -> None:
     t = tiny(store)
     async with t.client() as c:
         first = await c.post("/pay", json={"amount": 4500}, headers=KEY)
@@ -30,7 +34,7 @@ async def test_first_request_runs_then_replays_identical_bytes(store: Store, tin
     assert t.calls == {"pay": 1}
 
 
-async def test_reserialised_json_is_the_same_request(store: Store, tiny: Any) -> None:
+async def test_reserialised_json_is_the_same_request(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         await c.post(
@@ -48,7 +52,7 @@ async def test_reserialised_json_is_the_same_request(store: Store, tiny: Any) ->
     assert t.calls == {"pay": 1}
 
 
-async def test_handler_receives_the_original_bytes(store: Store, tiny: Any) -> None:
+async def test_handler_receives_the_original_bytes(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     raw = b'{"amount":  4500.0,"z":1}'
     async with t.client() as c:
@@ -61,7 +65,7 @@ async def test_handler_receives_the_original_bytes(store: Store, tiny: Any) -> N
     [({"amount": 4501}, ""), ({"amount": 4500}, "?currency=USD")],
 )
 async def test_same_key_different_request_is_422(
-    store: Store, tiny: Any, second_body: dict[str, int], query: str
+    store: Store, tiny: TinyFactory, second_body: dict[str, int], query: str
 ) -> None:
     t = tiny(store)
     async with t.client() as c:
@@ -73,7 +77,9 @@ async def test_same_key_different_request_is_422(
     assert t.calls == {"pay": 1}
 
 
-async def test_duplicate_while_in_flight_is_409_with_retry_after(store: Store, tiny: Any) -> None:
+async def test_duplicate_while_in_flight_is_409_with_retry_after(
+    store: Store, tiny: TinyFactory
+) -> None:
     t = tiny(store, policies={"POST /pay": Policy(required=True)})
     async with t.client() as c:
         first = asyncio.create_task(c.post("/pay", json={"wait": True}, headers=KEY))
@@ -93,7 +99,9 @@ async def test_duplicate_while_in_flight_is_409_with_retry_after(store: Store, t
 
 
 @pytest.mark.parametrize("status", [500, 503, 408, 409, 425, 429])
-async def test_retryable_failures_release_the_key(store: Store, tiny: Any, status: int) -> None:
+async def test_retryable_failures_release_the_key(
+    store: Store, tiny: TinyFactory, status: int
+) -> None:
     t = tiny(store)
     async with t.client() as c:
         first = await c.post(f"/fail/{status}", headers=KEY)
@@ -105,7 +113,7 @@ async def test_retryable_failures_release_the_key(store: Store, tiny: Any, statu
 
 
 @pytest.mark.parametrize("status", [200, 302, 400, 404, 410])
-async def test_final_answers_are_stored(store: Store, tiny: Any, status: int) -> None:
+async def test_final_answers_are_stored(store: Store, tiny: TinyFactory, status: int) -> None:
     t = tiny(store)
     async with t.client() as c:
         first = await c.post(f"/fail/{status}", headers=KEY)
@@ -116,7 +124,7 @@ async def test_final_answers_are_stored(store: Store, tiny: Any, status: int) ->
     assert t.calls == {"fail": 1}
 
 
-async def test_exception_releases_the_key(store: Store, tiny: Any) -> None:
+async def test_exception_releases_the_key(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         with pytest.raises(RuntimeError):
@@ -126,7 +134,7 @@ async def test_exception_releases_the_key(store: Store, tiny: Any) -> None:
     assert t.calls == {"boom": 2}
 
 
-async def test_set_cookie_and_date_are_never_replayed(store: Store, tiny: Any) -> None:
+async def test_set_cookie_and_date_are_never_replayed(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         first = await c.post("/cookie", headers=KEY)
@@ -152,7 +160,7 @@ def test_hop_by_hop_headers_and_those_connection_names_are_not_stored() -> None:
     assert storable_headers(sent[:1]) == (json_type,)
 
 
-async def test_required_key_missing_is_400(store: Store, tiny: Any) -> None:
+async def test_required_key_missing_is_400(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store, policies={"POST /pay": Policy(required=True)})
     async with t.client() as c:
         r = await c.post("/pay", json={})
@@ -162,7 +170,7 @@ async def test_required_key_missing_is_400(store: Store, tiny: Any) -> None:
     assert t.calls == {}
 
 
-async def test_optional_key_missing_runs_unguarded(store: Store, tiny: Any) -> None:
+async def test_optional_key_missing_runs_unguarded(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         await c.post("/pay", json={})
@@ -175,7 +183,7 @@ async def test_optional_key_missing_runs_unguarded(store: Store, tiny: Any) -> N
     [b"", b"   ", b"a" * 256, b"caf\xc3\xa9", b"a b", b"a\x01", b'"unterminated', b'"a"b"', b'""'],
 )
 async def test_invalid_keys_are_400_and_store_nothing(
-    store: Store, tiny: Any, value: bytes
+    store: Store, tiny: TinyFactory, value: bytes
 ) -> None:
     t = tiny(store)
     async with t.client() as c:
@@ -185,7 +193,7 @@ async def test_invalid_keys_are_400_and_store_nothing(
     assert t.calls == {}
 
 
-async def test_key_sent_twice_is_400(store: Store, tiny: Any) -> None:
+async def test_key_sent_twice_is_400(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         r = await c.post(
@@ -195,7 +203,7 @@ async def test_key_sent_twice_is_400(store: Store, tiny: Any) -> None:
     assert t.calls == {}
 
 
-async def test_quoted_and_bare_forms_are_the_same_key(store: Store, tiny: Any) -> None:
+async def test_quoted_and_bare_forms_are_the_same_key(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store)
     async with t.client() as c:
         await c.post("/pay", json={}, headers={"Idempotency-Key": "abc"})
@@ -204,12 +212,14 @@ async def test_quoted_and_bare_forms_are_the_same_key(store: Store, tiny: Any) -
     assert t.calls == {"pay": 1}
 
 
-async def test_oversized_body_is_413_without_touching_the_store(store: Store, tiny: Any) -> None:
+async def test_oversized_body_is_413_without_touching_the_store(
+    store: Store, tiny: TinyFactory
+) -> None:
     t = tiny(store, default_policy=Policy(max_body_bytes=100))
     async with t.client() as c:
         declared = await c.post("/pay", content=b"x" * 101, headers=KEY)
 
-        async def chunks() -> Any:
+        async def chunks() -> AsyncIterator[bytes]:
             for _ in range(3):
                 yield b"x" * 50
 
@@ -221,7 +231,7 @@ async def test_oversized_body_is_413_without_touching_the_store(store: Store, ti
     assert t.calls == {"pay": 1}
 
 
-async def test_safe_methods_and_exempt_routes_pass_through(store: Store, tiny: Any) -> None:
+async def test_safe_methods_and_exempt_routes_pass_through(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store, policies={"POST /cookie": Policy(enabled=False)})
     async with t.client() as c:
         for _ in range(2):
@@ -230,7 +240,7 @@ async def test_safe_methods_and_exempt_routes_pass_through(store: Store, tiny: A
     assert t.calls == {"get": 2, "cookie": 2}
 
 
-async def test_principals_never_see_each_others_responses(store: Store, tiny: Any) -> None:
+async def test_principals_never_see_each_others_responses(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store, principal=lambda scope: dict(scope["headers"]).get(b"x-user", b"").decode())
     async with t.client() as c:
         alice = await c.post("/pay", json={"a": 1}, headers={**KEY, "x-user": "alice"})
@@ -243,9 +253,10 @@ async def test_principals_never_see_each_others_responses(store: Store, tiny: An
     assert t.calls == {"pay": 2}
 
 
-async def test_async_principal_is_awaited(store: Store, tiny: Any) -> None:
+async def test_async_principal_is_awaited(store: Store, tiny: TinyFactory) -> None:
     async def principal(scope: Any) -> str:
-        return "tenant-" + dict(scope["headers"]).get(b"x-tenant", b"").decode()
+        headers: dict[bytes, bytes] = dict(scope["headers"])
+        return "tenant-" + headers.get(b"x-tenant", b"").decode()
 
     t = tiny(store, principal=principal)
     async with t.client() as c:
@@ -254,7 +265,7 @@ async def test_async_principal_is_awaited(store: Store, tiny: Any) -> None:
     assert t.calls == {"pay": 2}
 
 
-async def test_unreachable_store_is_503_and_the_handler_does_not_run(tiny: Any) -> None:
+async def test_unreachable_store_is_503_and_the_handler_does_not_run(tiny: TinyFactory) -> None:
     # A real Postgres URL on a port where nothing listens.
     dead = SQLStore("postgresql+asyncpg://postgres@127.0.0.1:9/nowhere", command_timeout=2)
     t = tiny(dead, policies={"POST /pay": Policy(required=True)})
@@ -271,7 +282,7 @@ async def test_unreachable_store_is_503_and_the_handler_does_not_run(tiny: Any) 
     assert t.calls == {"get": 1}
 
 
-async def test_fail_open_runs_unguarded_when_the_store_fails(tiny: Any) -> None:
+async def test_fail_open_runs_unguarded_when_the_store_fails(tiny: TinyFactory) -> None:
     dead = SQLStore("postgresql+asyncpg://postgres@127.0.0.1:9/nowhere", command_timeout=2)
     t = tiny(dead, fail_open=True)
     try:
@@ -283,7 +294,7 @@ async def test_fail_open_runs_unguarded_when_the_store_fails(tiny: Any) -> None:
     assert r.json()["echo"] == {"a": 1}
 
 
-async def test_problem_bodies_follow_rfc9457(store: Store, tiny: Any) -> None:
+async def test_problem_bodies_follow_rfc9457(store: Store, tiny: TinyFactory) -> None:
     t = tiny(store, policies={"POST /pay": Policy(required=True)})
     async with t.client() as c:
         r = await c.post("/pay", json={})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
+from starlette.types import ASGIApp
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
 from asgi_idempotency.policy import policy_of
@@ -22,8 +24,8 @@ from asgi_idempotency.policy import policy_of
 pytestmark = pytest.mark.anyio
 
 
-def client(app: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")  # type: ignore[arg-type]
+def client(app: ASGIApp) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 
 
 def fastapi_app(calls: list[str]) -> FastAPI:
@@ -242,7 +244,7 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
 
     calls: list[str] = []
 
-    def endpoint(name: str) -> object:
+    def endpoint(name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
         @idempotent(required=name == "strict")
         async def handle(request: Request) -> JSONResponse:
             calls.append(name)

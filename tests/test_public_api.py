@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 import asgi_idempotency
-from tests.client._blocking import run_without
+from tests._blocking import run_without
 
 # What a plain ``pip install asgi-idempotency`` lacks: the packages of the extras.
 NOT_ON_A_PLAIN_INSTALL = "prometheus_client,httpx,stamina,uvicorn"
@@ -16,6 +19,21 @@ def test_all_is_sorted_and_importable() -> None:
     assert list(names) == sorted(names)
     for name in names:
         assert getattr(asgi_idempotency, name) is not None
+
+
+def test_the_typing_test_uses_every_public_name() -> None:
+    # tests/typing/api.py is checked by mypy, never run: a name it does not import is
+    # a name whose signature can change without a type error anywhere.
+    import asgi_idempotency.client
+
+    tree = ast.parse((Path(__file__).parent / "typing" / "api.py").read_text())
+    imported: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.setdefault(node.module, set()).update(a.name for a in node.names)
+    for module in (asgi_idempotency, asgi_idempotency.client):
+        missing = set(module.__all__) - imported.get(module.__name__, set())
+        assert not missing, f"{module.__name__}: {sorted(missing)}"
 
 
 def test_required_names_are_public() -> None:
@@ -98,4 +116,4 @@ def test_the_package_logs_reach_the_handlers_the_application_configures() -> Non
 
 def test_unknown_attribute_raises() -> None:
     with pytest.raises(AttributeError, match="nope"):
-        asgi_idempotency.nope  # type: ignore[attr-defined]  # noqa: B018
+        asgi_idempotency.nope  # noqa: B018  # mypy allows it: the package has a module __getattr__

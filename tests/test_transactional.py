@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore, idempotent
 from asgi_idempotency.demo import kill_after_write, refunds
@@ -203,11 +204,11 @@ async def test_round_trips_of_a_transactional_first_request(pg_store: SQLStore) 
 
 
 def test_refused_at_start_up_on_other_stores() -> None:
-    async def endpoint(request: Request) -> Response:
-        return Response()
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await Response()(scope, receive, send)
 
     with pytest.raises(ValueError, match="needs SQLStore on Postgres"):
-        IdempotencyMiddleware(endpoint, store=MemoryStore(), policies={"POST /x": TX})
+        IdempotencyMiddleware(app, store=MemoryStore(), policies={"POST /x": TX})
 
 
 async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
@@ -222,13 +223,13 @@ async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
         routes=[Route("/x", endpoint, methods=["POST"])],
         middleware=[Middleware(IdempotencyMiddleware, store=store)],
     )
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
     messages = iter([{"type": "lifespan.startup"}])
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return next(messages)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     try:

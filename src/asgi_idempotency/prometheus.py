@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ._extras import missing_extra
 from .asgi import ASGIApp
 from .metrics import Outcome
 
@@ -39,10 +40,7 @@ try:
         make_asgi_app,
     )
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "asgi_idempotency.prometheus needs prometheus-client: "
-        "pip install 'asgi-idempotency[prometheus]'"
-    ) from exc
+    raise missing_extra(__name__, "prometheus-client", "prometheus") from exc
 
 __all__ = ["PrometheusMetrics"]
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta, timezone
@@ -116,7 +117,7 @@ exact_ints = st.integers(min_value=-(2**53) + 1, max_value=2**53 - 1)
 idents = st.text(min_size=1, max_size=10)
 
 
-def _reorder(value: Any, rnd: Any) -> Any:
+def _reorder(value: Any, rnd: random.Random) -> Any:
     """Same value, every mapping's insertion order shuffled, recursively."""
     if isinstance(value, dict):
         items = list(value.items())
@@ -138,7 +139,7 @@ def _tuples(value: Any) -> Any:
 @quick
 @given(args=json_objects, rnd=st.randoms(use_true_random=False), run=idents, step=st.integers(0))
 def test_key_order_never_changes_the_key(
-    args: dict[str, Any], rnd: Any, run: str, step: int
+    args: dict[str, Any], rnd: random.Random, run: str, step: int
 ) -> None:
     assert derive_key(run, step, "t", _reorder(args, rnd)) == derive_key(run, step, "t", args)
 
@@ -186,7 +187,9 @@ def _same_value(a: Any, b: Any) -> bool:
 
 @quick
 @given(args=json_objects, data=st.data())
-def test_any_real_change_of_a_value_changes_the_key(args: dict[str, Any], data: Any) -> None:
+def test_any_real_change_of_a_value_changes_the_key(
+    args: dict[str, Any], data: st.DataObject
+) -> None:
     name = data.draw(st.sampled_from(sorted(args)))
     new = data.draw(json_values)
     changed = {**args, name: new}
@@ -197,7 +200,9 @@ def test_any_real_change_of_a_value_changes_the_key(args: dict[str, Any], data: 
 
 @quick
 @given(args=json_objects, data=st.data())
-def test_adding_or_removing_an_argument_changes_the_key(args: dict[str, Any], data: Any) -> None:
+def test_adding_or_removing_an_argument_changes_the_key(
+    args: dict[str, Any], data: st.DataObject
+) -> None:
     name = data.draw(st.sampled_from(sorted(args)))
     smaller = {k: v for k, v in args.items() if k != name}
     assert derive_key("r", 0, "t", smaller) != derive_key("r", 0, "t", args)

@@ -215,13 +215,13 @@ def test_without_a_request_outcomes_that_need_no_key_are_still_retried() -> None
 def test_decision_is_frozen() -> None:
     decision = Decision(True, "x")
     with pytest.raises(AttributeError):
-        decision.retry = False  # type: ignore[misc]
+        decision.retry = False  # type: ignore[misc]  # frozen: what the test checks
 
 
 @pytest.mark.parametrize("kwargs", [{"attempts": 0}, {"timeout": 0}, {"timeout": -1.0}])
 def test_policy_rejects_nonsense(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
-        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]  # floats where attempts takes an int
 
 
 def test_policy_defaults_are_staminas() -> None:

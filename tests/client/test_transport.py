@@ -82,12 +82,12 @@ def service(_server: tuple[Service, str]) -> tuple[Service, str]:
 
 
 def _async_client(url: str, **kwargs: object) -> httpx.AsyncClient:
-    transport = AsyncIdempotentTransport(policy=FAST, **kwargs)  # type: ignore[arg-type]
+    transport = AsyncIdempotentTransport(policy=FAST, **kwargs)  # type: ignore[arg-type]  # each test's own options
     return httpx.AsyncClient(transport=transport, base_url=url, timeout=READ_TIMEOUT)
 
 
 def _sync_client(url: str, **kwargs: object) -> httpx.Client:
-    transport = IdempotentTransport(policy=FAST, **kwargs)  # type: ignore[arg-type]
+    transport = IdempotentTransport(policy=FAST, **kwargs)  # type: ignore[arg-type]  # each test's own options
     return httpx.Client(transport=transport, base_url=url, timeout=READ_TIMEOUT)
 
 

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Column, MetaData, String, inspect
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from asgi_idempotency.migrations import VERSION_TABLE, alembic_config, downgrade, upgrade
 from asgi_idempotency.stores import schema
 from asgi_idempotency.stores.schema import metadata
 from tests.conftest import PgServer
+
+T = TypeVar("T")
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -31,8 +34,8 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-def _inspect(url: str, fn: Any) -> Any:
-    async def go() -> Any:
+def _inspect(url: str, fn: Callable[[Connection], T]) -> T:
+    async def go() -> T:
         engine = create_async_engine(url)
         try:
             async with engine.connect() as conn:
@@ -52,7 +55,7 @@ def test_single_head() -> None:
 def _drift(url: str, target: MetaData) -> list[Any]:
     """What alembic's autogenerate would change to turn the database at ``url`` into ``target``."""
 
-    def diff(conn: Any) -> list[Any]:
+    def diff(conn: Connection) -> list[Any]:
         ctx = MigrationContext.configure(
             conn, opts={"compare_type": True, "version_table": VERSION_TABLE}
         )

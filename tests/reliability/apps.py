@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message
 
 from asgi_idempotency import IdempotencyMiddleware, Policy
 from asgi_idempotency.stores.base import Store
@@ -27,7 +28,7 @@ Hook = Callable[[], Awaitable[None]]
 class RefundApp:
     """``POST /refunds`` (guarded, key required), ``POST /notes`` (exempt), ``GET /health``."""
 
-    app: Any
+    app: Starlette
     calls: dict[str, int]
     started: asyncio.Event
     gate: asyncio.Event
@@ -105,7 +106,7 @@ class RawResponse:
 
 
 async def asgi_call(
-    app: Any,
+    app: ASGIApp,
     method: str,
     path: str,
     headers: list[tuple[bytes, bytes]],
@@ -129,7 +130,7 @@ async def asgi_call(
     pending = list(chunks) or [b""]
     sent_all = False
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         nonlocal sent_all
         if pending:
             chunk = pending.pop(0)
@@ -143,7 +144,7 @@ async def asgi_call(
     body = bytearray()
     starts = 0
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         nonlocal status, out_headers, starts
         if message["type"] == "http.response.start":
             starts += 1

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
+
+T = TypeVar("T")
 
 
 class TcpProxy:
@@ -50,8 +53,8 @@ class TcpProxy:
         )
         self.port: int = self._server.sockets[0].getsockname()[1]
 
-    def _call(self, coro: Any) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout=10)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -175,7 +178,9 @@ class Probe:
             result = await conn.execute(text("SELECT id, order_id, amount FROM demo_refunds"))
             return [(r.id, r.order_id, r.amount) for r in result]
 
-    async def wait_for(self, what: str, predicate: Any, *, within: float = 10.0) -> Any:
+    async def wait_for(
+        self, what: str, predicate: Callable[[], Awaitable[T]], *, within: float = 10.0
+    ) -> T:
         """Poll ``predicate()`` (async) until truthy; fail after ``within`` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within

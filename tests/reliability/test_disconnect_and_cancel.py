@@ -18,6 +18,7 @@ import httpx
 import orjson
 import pytest
 from sqlalchemy import text
+from starlette.types import Message
 
 from asgi_idempotency import SQLStore
 from asgi_idempotency.keys import scoped_key
@@ -76,10 +77,10 @@ async def test_send_failing_after_disconnect_still_stores_the_response(store: St
     class Gone(OSError):
         pass
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         raise Gone("client disconnected")
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.request", "body": b'{"amount": 5}', "more_body": False}
 
     scope = {

@@ -28,7 +28,7 @@ def tok() -> str:
 
 async def claim(
     store: Store, key: str = "k" * 64, h: str = "h1", token: str | None = None, now: datetime = T0
-):
+) -> lifecycle.Claim:
     return await lifecycle.claim(
         store, key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
     )

@@ -19,12 +19,13 @@ from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
 from bench import pgwire
+from tests.conftest import Tiny, TinyFactory
 
 pytestmark = pytest.mark.anyio
 
 
 async def _drive(
-    tiny_app: Any, reset: Callable[[], list[Any]], run: str = "a"
+    tiny_app: Tiny, reset: Callable[[], list[Any]], run: str = "a"
 ) -> dict[str, list[Any]]:
     """Run every outcome of DESIGN.md's table once; return what each cost.
 
@@ -59,7 +60,7 @@ async def _drive(
 
 
 @pytest.fixture
-async def wire(pg_url: str) -> AsyncIterator[Any]:
+async def wire(pg_url: str) -> AsyncIterator[pgwire.WireCounter]:
     url = make_url(pg_url)
     async with pgwire.WireCounter(url.host or "127.0.0.1", url.port or 5432) as counter:
         yield counter
@@ -72,7 +73,7 @@ def _proxied(pg_url: str, port: int) -> str:
 
 @pytest.mark.postgres
 async def test_postgres_round_trips_per_outcome(
-    pg_url: str, pg_store: SQLStore, wire: Any, tiny: Any
+    pg_url: str, pg_store: SQLStore, wire: pgwire.WireCounter, tiny: TinyFactory
 ) -> None:
     # pg_store empties the tables; the store under test talks through the proxy, with
     # one pooled connection so that its statements are prepared once, in the warm-up.
@@ -104,7 +105,7 @@ async def test_postgres_round_trips_per_outcome(
 
 
 @pytest.mark.postgres
-async def test_the_wire_counter_sees_transactions(pg_url: str, wire: Any) -> None:
+async def test_the_wire_counter_sees_transactions(pg_url: str, wire: pgwire.WireCounter) -> None:
     """The counter is not blind to what the budget forbids: Core's BEGIN/COMMIT show up."""
     store = SQLStore(_proxied(pg_url, wire.port), pool_size=1)
     try:
@@ -119,13 +120,13 @@ async def test_the_wire_counter_sees_transactions(pg_url: str, wire: Any) -> Non
     assert verbs == ["BEGIN", "SELECT", "COMMIT"]
 
 
-async def test_sqlite_round_trips_per_outcome(sqlite_url: str, tiny: Any) -> None:
+async def test_sqlite_round_trips_per_outcome(sqlite_url: str, tiny: TinyFactory) -> None:
     """SQLite: one call to the connection thread per operation; a replay runs two statements."""
     store = SQLStore(sqlite_url)
     hops: list[str] = []
     statements: list[str] = []
     try:
-        driver = await store._driver._connection()  # type: ignore[attr-defined]
+        driver = await store._driver._connection()  # type: ignore[attr-defined]  # SQLiteDriver's
         raw_execute = driver._execute
 
         async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:

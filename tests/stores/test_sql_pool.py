@@ -6,13 +6,14 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import text
 
 from asgi_idempotency import ClaimOutcome, SQLStore, StoreError, lifecycle
-from tests.conftest import truncate
+from asgi_idempotency.stores.postgres import PostgresDriver
+from tests.conftest import emptied, truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
@@ -21,12 +22,8 @@ NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
 @pytest.fixture
 async def small(pg_url: str) -> AsyncIterator[SQLStore]:
-    store = SQLStore(pg_url, pool_size=2, command_timeout=5)
-    await truncate(store)
-    try:
+    async with emptied(SQLStore(pg_url, pool_size=2, command_timeout=5)) as store:
         yield store
-    finally:
-        await store.close()
 
 
 async def claim(store: SQLStore, key: str) -> ClaimOutcome:
@@ -38,14 +35,14 @@ async def claim(store: SQLStore, key: str) -> ClaimOutcome:
 
 
 def held(store: SQLStore) -> int:
-    return store._driver._held  # type: ignore[attr-defined]
+    return cast(PostgresDriver, store._driver)._held  # the Postgres path's own count
 
 
 async def test_many_concurrent_statements_share_a_bounded_set(small: SQLStore) -> None:
     outcomes = await asyncio.gather(*(claim(small, f"{i:064d}") for i in range(60)))
     assert outcomes == [ClaimOutcome.CLAIMED] * 60
     assert held(small) <= 2
-    assert small.engine.pool.checkedout() <= 2  # type: ignore[attr-defined]
+    assert small.engine.pool.checkedout() <= 2  # type: ignore[attr-defined]  # QueuePool's, not Pool's
 
 
 async def test_cancelled_statements_leak_no_connection(small: SQLStore) -> None:

@@ -30,15 +30,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final, Protocol
 
+from asgi_idempotency._extras import missing_extra
+
 try:
     import anyio
     import httpx
     import stamina
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "asgi_idempotency.client.ledger needs httpx, stamina and anyio: "
-        "pip install 'asgi-idempotency[client]'"
-    ) from exc
+    raise missing_extra(__name__, "httpx, stamina and anyio", "client") from exc
 # sqlalchemy is a dependency of the package itself, not of an extra.
 from sqlalchemy import (
     CheckConstraint,

@@ -34,12 +34,12 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Final, TypedDict
 
+from asgi_idempotency._extras import missing_extra
+
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "asgi_idempotency.client.retry needs httpx: pip install 'asgi-idempotency[client]'"
-    ) from exc
+    raise missing_extra(__name__, "httpx", "client") from exc
 
 __all__ = ["AttemptRecord", "Decision", "RetriesExhausted", "RetryPolicy", "retryable"]
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import uuid
 from typing import NoReturn, Protocol
 
+from asgi_idempotency._extras import missing_extra
+
 try:
     import httpx
     import stamina
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "asgi_idempotency.client.transport needs httpx and stamina: "
-        "pip install 'asgi-idempotency[client]'"
-    ) from exc
+    raise missing_extra(__name__, "httpx and stamina", "client") from exc
 
 from asgi_idempotency.client.retry import (
     _IDEMPOTENT_METHODS,

@@ -50,7 +50,7 @@ def _configure(**kwargs: object) -> None:
         target_metadata=metadata,
         version_table=VERSION_TABLE,
         compare_type=True,
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,  # type: ignore[arg-type]  # object: the callers pass configure()'s own options
     )
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
-import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+import asyncpg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.pool import PoolProxiedConnection
 
@@ -158,7 +158,7 @@ class PostgresDriver:
 
     async def _run(self, op: Callable[[Any], Awaitable[T]]) -> T:
         fairy = await self._checkout()
-        driver: asyncpg.Connection = fairy.driver_connection
+        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
         try:
             result = await op(driver)
         except DRIVER_ERRORS as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 
-import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+import asyncpg
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..errors import StoreError

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).parents[2] / "src"
+SRC = Path(__file__).parents[1] / "src"
 
 # A meta path finder that makes the named top-level packages unimportable, as if
 # they were not installed.
