@@ -165,13 +165,15 @@ async def _with_store(
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
     try:
-        from .migrations import upgrade
+        from .migrations import SchemaConflict, upgrade
     except ImportError as exc:
         raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
         upgrade(url)
+    except SchemaConflict as exc:
+        raise CLIError(Exit.UNREACHABLE, f"cannot migrate {redact(url)}: {exc}") from exc
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
     print(f"migrated {redact(url)} to the latest revision", file=out)
