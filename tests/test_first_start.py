@@ -356,3 +356,26 @@ async def test_migrate_refuses_a_foreign_table_of_the_same_name(empty_pg: str) -
     assert done.returncode == 3, done.stderr
     assert "was not created by these migrations" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+async def test_a_burst_of_first_requests_shares_one_check(tmp_path: Path) -> None:
+    store = SQLStore(f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}")
+    calls = 0
+    real = store.prepare
+
+    async def slow() -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.2)  # every request of the burst arrives during the check
+        await real()
+
+    store.prepare = slow  # type: ignore[method-assign]
+    try:
+        async with client(guarded_app(store)) as c:
+            answers = await asyncio.gather(
+                *(c.post("/pay", json={}, headers={"Idempotency-Key": f"b{i}"}) for i in range(10))
+            )
+    finally:
+        await store.close()
+    assert [r.status_code for r in answers] == [201] * 10
+    assert calls == 1

@@ -9,6 +9,7 @@ is :mod:`.lifecycle`; the store only does atomic primitives.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -109,6 +110,7 @@ class IdempotencyMiddleware:
         self._ready = self._prepare is None
         self._missing: SchemaMissing | None = None  # the last check's answer, if it failed
         self._checked_at = -math.inf  # monotonic time of the last failed check
+        self._checking: asyncio.Event | None = None  # set when the check in flight ends
 
     def snapshot(self) -> MetricsSnapshot:
         """This middleware's outcome counts so far, by route template and outcome.
@@ -155,7 +157,12 @@ class IdempotencyMiddleware:
         open) as for any store error.
         """
         now = time.monotonic()
-        if now - self._checked_at >= self.retry_after:
+        if self._checking is not None:
+            # One check at a time: a burst of first requests waits for it, rather than
+            # each taking a pooled connection for a check of its own.
+            await self._checking.wait()
+        elif now - self._checked_at >= self.retry_after:
+            self._checking = checking = asyncio.Event()
             try:
                 await self._run_prepare()
             except SchemaMissing as exc:
@@ -164,6 +171,9 @@ class IdempotencyMiddleware:
                 self._missing, self._checked_at = None, now
                 self._observer.not_ready("request", exc, now=now, route=route)
                 return True
+            finally:
+                self._checking = None
+                checking.set()
         missing = self._missing
         if self._ready or missing is None:
             return True
