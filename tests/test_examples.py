@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import httpx
@@ -19,26 +18,6 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> ModuleType:
     monkeypatch.setenv("IDEMPOTENCY_DATABASE_URL", url)
     sys.modules.pop(name, None)
     return importlib.import_module(name)
-
-
-async def test_fastapi_example(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    mod = _load("examples.fastapi_refunds", monkeypatch, f"sqlite+aiosqlite:///{tmp_path}/r.db")
-    app: FastAPI = mod.app
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c,
-    ):
-        missing = await c.post("/orders/1/refunds", json={"amount": 5})
-        first = await c.post(
-            "/orders/1/refunds", json={"amount": 5}, headers={"Idempotency-Key": "r1"}
-        )
-        again = await c.post(
-            "/orders/1/refunds", json={"amount": 5}, headers={"Idempotency-Key": "r1"}
-        )
-    assert missing.status_code == 400
-    assert first.status_code == 201
-    assert again.content == first.content
-    assert again.headers["idempotent-replayed"] == "true"
 
 
 @pytest.mark.postgres

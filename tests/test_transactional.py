@@ -173,6 +173,7 @@ async def test_storm_never_waits_on_the_first_requests_lock(pg_store: SQLStore) 
 
 async def test_round_trips_of_a_transactional_first_request(pg_store: SQLStore) -> None:
     """BEGIN, claim (lock folded in), the handler's one insert, complete, COMMIT: five."""
+    await pg_store.prepare()  # the one-time schema check, as lifespan startup would run it
     seen: list[str] = []
     sync_engine = pg_store.engine.sync_engine
 

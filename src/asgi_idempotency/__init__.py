@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         KeyMismatch,
         MissingKey,
         RequestInProgress,
+        SchemaMissing,
         StoreError,
         StoreUnavailable,
     )
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .stores.base import (
         Bucket,
         NewClaim,
+        PreparedStore,
         Record,
         RecordStatus,
         Store,
@@ -66,6 +68,7 @@ __all__ = [
     "NewClaim",
     "Outcome",
     "Policy",
+    "PreparedStore",
     # Not "PrometheusMetrics": it needs the prometheus extra, and star import must
     # work without it. It stays reachable as an attribute, through _WHERE.
     "Pruner",
@@ -75,6 +78,7 @@ __all__ = [
     "RecordStatus",
     "RequestInProgress",
     "SQLStore",
+    "SchemaMissing",
     "Store",
     "StoreError",
     "StoreTransaction",
@@ -107,6 +111,7 @@ _WHERE = {
     "KeyMismatch": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
+    "SchemaMissing": ".errors",
     "StoreError": ".errors",
     "StoreUnavailable": ".errors",
     "Claim": ".lifecycle",
@@ -114,6 +119,7 @@ _WHERE = {
     "RecordState": ".lifecycle",
     "Bucket": ".stores.base",
     "NewClaim": ".stores.base",
+    "PreparedStore": ".stores.base",
     "StoreTransaction": ".stores.base",
     "Record": ".stores.base",
     "RecordStatus": ".stores.base",

@@ -122,13 +122,15 @@ def uvicorn_process(
     args: tuple[str, ...] = (),
     ready_path: str = "/refunds/count",
     timeout: float = 30.0,
+    cwd: Path | None = None,
 ) -> Iterator[UvicornProcess]:
     """Run ``uvicorn app --fd N *args`` on a socket bound here; yield once it answers.
 
     ``env`` is added to this process's environment; the child's output goes to
-    ``log``. Ready means ``GET ready_path`` answered below 500. The process group is
-    SIGKILLed on exit. Raises ``RuntimeError`` (with the log) if uvicorn exits, or has
-    not answered within ``timeout`` seconds.
+    ``log``; it runs in ``cwd`` (default: this process's working directory). Ready
+    means ``GET ready_path`` answered below 500. The process group is SIGKILLed on
+    exit. Raises ``RuntimeError`` (with the log) if uvicorn exits, or has not
+    answered within ``timeout`` seconds.
     """
     with loopback_socket() as sock:
         fd = sock.fileno()
@@ -144,6 +146,7 @@ def uvicorn_process(
                 stderr=subprocess.STDOUT,
                 pass_fds=(fd,),
                 start_new_session=True,
+                cwd=cwd,
             )
         server = UvicornProcess(proc, _base_url(sock), log)
     # The child holds the socket now; this process's copy is closed, so the port is

@@ -12,8 +12,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 0     success
 1     inspect: no record for that key (never ran, released, or pruned); demo:
       the guarded run did not make exactly one refund
-2     usage error: bad arguments, missing or malformed database URL, the demo
-      extra not installed
+2     usage error: bad arguments, a key digest prefix that matches several
+      records, missing or malformed database URL, the demo extra not installed
 3     database unreachable or failing (refused, timed out, bad credentials, no
       such database or SQLite file)
 4     the records table is missing: run `asgi-idempotency migrate`
@@ -31,6 +31,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -64,8 +65,8 @@ EXIT_MEANINGS: dict[Exit, str] = {
         "demo: the guarded run did not make exactly one refund"
     ),
     Exit.USAGE: (
-        "usage error: bad arguments, missing or malformed database URL, "
-        "the demo extra not installed"
+        "usage error: bad arguments, a key digest prefix that matches several "
+        "records, missing or malformed database URL, the demo extra not installed"
     ),
     Exit.UNREACHABLE: (
         "database unreachable or failing (refused, timed out, bad credentials, "
@@ -165,13 +166,15 @@ async def _with_store(
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
     try:
-        from .migrations import upgrade
+        from .migrations import SchemaConflict, upgrade
     except ImportError as exc:
         raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
         upgrade(url)
+    except SchemaConflict as exc:
+        raise CLIError(Exit.UNREACHABLE, f"cannot migrate {redact(url)}: {exc}") from exc
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
     print(f"migrated {redact(url)} to the latest revision", file=out)
@@ -223,6 +226,10 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
     return asyncio.run(_with_store(url, args.timeout, body))
 
 
+# The logs' key_digest: the first 16 hex digits of the scoped key (64 in full).
+_DIGEST = re.compile(r"[0-9a-fA-F]{16,64}")
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
     from .errors import InvalidKey
     from .keys import parse_key, scoped_key
@@ -235,16 +242,35 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
     except InvalidKey as exc:
         raise CLIError(Exit.USAGE, f"not a valid Idempotency-Key: {exc.detail}") from None
     digest = scoped_key(args.principal, key)
+    # KEY may also be the key digest a log line carries: tried when no record has it as
+    # a client key (a 16-hex client key is valid, so the key goes first).
+    prefix = args.key.lower() if _DIGEST.fullmatch(args.key) else None
 
     async def body(store: Any) -> Exit:
+        nonlocal digest
         record = await store.get(digest)
+        if record is None and prefix is not None:
+            found = await store.find(prefix, limit=2)
+            if len(found) > 1:
+                raise CLIError(
+                    Exit.USAGE,
+                    f"the key digest {prefix} matches more than one record: "
+                    "give more of its 64 hex digits",
+                )
+            if found:
+                record = found[0]
+                digest = record.key
         now = datetime.now(UTC)
         if record is None:
+            also = f" nor with a key digest starting with {prefix}" if prefix is not None else ""
             if args.json:
-                print(json.dumps({"key_digest": digest, "found": False}), file=out)
+                payload: dict[str, Any] = {"key_digest": digest, "found": False}
+                if prefix is not None:
+                    payload["digest_prefix"] = prefix
+                print(json.dumps(payload), file=out)
             else:
                 print(
-                    f"no record for this key (digest {digest}): it never ran here, "
+                    f"no record for this key (digest {digest}){also}: it never ran here, "
                     "was released after a failure, or was pruned",
                     file=out,
                 )
@@ -487,11 +513,22 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         parents=[common],
         help="show the record for a key: did it run, when, with what result",
-        description="Exit code 0 when a record exists (expired or not), 1 when none does.",
+        description=(
+            "KEY is the Idempotency-Key as the client sent it, or the key_digest a log "
+            "line carries (16 to 64 hex digits), tried when no record has KEY as its key. "
+            "Exit code 0 when a record exists (expired or not), 1 when none does, 2 when "
+            "a digest prefix matches several records."
+        ),
     )
-    p.add_argument("key", metavar="KEY", help="the Idempotency-Key as the client sent it")
     p.add_argument(
-        "--principal", default="", help="who owns the key (default: anonymous, as the middleware)"
+        "key",
+        metavar="KEY",
+        help="the Idempotency-Key as the client sent it, or the key digest from the logs",
+    )
+    p.add_argument(
+        "--principal",
+        default="",
+        help="who owns the key (default: anonymous, as the middleware); a digest needs none",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_inspect)

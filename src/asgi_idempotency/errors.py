@@ -10,6 +10,7 @@
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After)
     └── StoreUnavailable        503  the store failed; the handler did not run (Retry-After)
         └── StoreError               raised by a store: unreachable, timed out, driver error
+            └── SchemaMissing        the table or its migration is missing: names the fix
 
 Stores translate their driver's exceptions into :class:`StoreError` at their own
 boundary (``raise StoreError(...) from exc``), so nothing above ``stores/`` ever
@@ -32,6 +33,7 @@ __all__ = [
     "KeyMismatch",
     "MissingKey",
     "RequestInProgress",
+    "SchemaMissing",
     "StoreError",
     "StoreUnavailable",
 ]
@@ -124,3 +126,13 @@ class StoreError(StoreUnavailable):
     def wrap(cls, exc: BaseException) -> StoreError:
         """The one spelling of a translated driver error: ``"ClassName: message"``."""
         return cls(f"{type(exc).__name__}: {exc}")
+
+
+class SchemaMissing(StoreError):
+    """The store's database lacks the records table, or the migration head is not applied.
+
+    On Postgres the schema is the operator's: the message names the table and the
+    command that fixes it (``asgi-idempotency migrate --database-url ...``). Raised by
+    ``SQLStore.prepare()``; the middleware fails lifespan startup with it, or answers
+    503 with it as the ``detail`` when the app runs without a lifespan.
+    """

@@ -9,12 +9,22 @@ is :mod:`.lifecycle`; the store only does atomic primitives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
 from .asgi import ASGIApp, Message, Receive, Scope, Send
-from .errors import BodyTooLarge, IdempotencyError, MissingKey
+from .errors import (
+    BodyTooLarge,
+    IdempotencyError,
+    MissingKey,
+    SchemaMissing,
+    StoreError,
+    StoreUnavailable,
+)
 from .fingerprint import fingerprint
 from .keys import PrincipalFunc, default_principal, parse_key, resolve_principal, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
@@ -22,7 +32,7 @@ from .observer import Observer
 from .policy import Policy, RouteResolver, has_router, iter_endpoint_policies, lookup
 from .request import guard_headers, read_body
 from .responder import GuardedRequest, Responder, Runtime
-from .stores.base import Store, TransactionalStore, utcnow
+from .stores.base import PreparedStore, Store, TransactionalStore, utcnow
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -91,6 +101,16 @@ class IdempotencyMiddleware:
             observer=self._observer,
         )  # fmt: skip
         self.check_policies()
+        # PreparedStore.prepare (SQLite: create the table; Postgres: check the migration),
+        # run at lifespan startup, else on guarded requests until it has passed once.
+        # Once it has, the request path pays one attribute check.
+        self._prepare: Callable[[], Awaitable[None]] | None = (
+            store.prepare if isinstance(store, PreparedStore) else None
+        )
+        self._ready = self._prepare is None
+        self._missing: SchemaMissing | None = None  # the last check's answer, if it failed
+        self._checked_at = -math.inf  # monotonic time of the last failed check
+        self._checking: asyncio.Event | None = None  # set when the check in flight ends
 
     def snapshot(self) -> MetricsSnapshot:
         """This middleware's outcome counts so far, by route template and outcome.
@@ -122,8 +142,52 @@ class IdempotencyMiddleware:
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
         request = await self._read(policy, route, scope, receive, send)
-        if request is not None:
-            await Responder(self._runtime, request, scope, receive, send).run()
+        if request is None:
+            return
+        if not self._ready and not await self._ensure_ready(route, send):
+            return
+        await Responder(self._runtime, request, scope, receive, send).run()
+
+    async def _ensure_ready(self, route: str, send: Send) -> bool:
+        """Prepare the store for an app served without lifespan; ``False`` once answered 503.
+
+        A failed check is repeated at most every ``retry_after`` seconds, so running
+        ``asgi-idempotency migrate`` heals a running app without a check per request.
+        A store that cannot be reached is left to the claim, which answers (or fails
+        open) as for any store error.
+        """
+        now = time.monotonic()
+        if self._checking is not None:
+            # One check at a time: a burst of first requests waits for it, rather than
+            # each taking a pooled connection for a check of its own.
+            await self._checking.wait()
+        elif now - self._checked_at >= self.retry_after:
+            self._checking = checking = asyncio.Event()
+            try:
+                await self._run_prepare()
+            except SchemaMissing as exc:
+                self._missing, self._checked_at = exc, now
+            except StoreError as exc:
+                self._missing, self._checked_at = None, now
+                self._observer.not_ready("request", exc, now=now, route=route)
+                return True
+            finally:
+                self._checking = None
+                checking.set()
+        missing = self._missing
+        if self._ready or missing is None:
+            return True
+        self._observer.not_ready("request", missing, now=now, route=route)
+        self._observer.outcome(route, Outcome.STORE_UNAVAILABLE)
+        # Always 503, fail_open or not: a missing schema is a deployment step left
+        # out, not an outage, and running unguarded would hide it.
+        await StoreUnavailable(missing.detail, retry_after=self.retry_after).send(send)
+        return False
+
+    async def _run_prepare(self) -> None:
+        assert self._prepare is not None
+        await self._prepare()
+        self._ready, self._missing = True, None
 
     async def _read(
         self, policy: Policy, route: str, scope: Scope, receive: Receive, send: Send
@@ -217,9 +281,61 @@ class IdempotencyMiddleware:
             return await receive()
 
         if self.prune_interval is None:
-            await self.app(scope, replay, send)
+            await self._prepared_lifespan(scope, replay, send)
             return
         from .retention import PruningMiddleware
 
-        pruning = PruningMiddleware(self.app, store=self.store, interval=self.prune_interval)
+        # The pruner wraps the check, so it starts only once the table is there.
+        pruning = PruningMiddleware(
+            self._prepared_lifespan, store=self.store, interval=self.prune_interval
+        )
         await pruning(scope, replay, send)
+
+    async def _prepared_lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's lifespan, with the store prepared once the app's own startup is done.
+
+        After the app's startup (which may be what creates the schema, in development),
+        ``prepare`` runs. A missing schema fails startup with the message that names
+        the fix: the app is shut down first, so its own clean-up runs, and the server
+        gets ``lifespan.startup.failed``. An unreachable store does not stop the app
+        (it answers 503 until the store is back); it is logged, and the check is
+        repeated on the first guarded requests.
+        """
+        if self._ready:
+            await self.app(scope, receive, send)
+            return
+        failure: str | None = None
+        reported = False
+
+        async def app_receive() -> Message:
+            if failure is not None:
+                return {"type": "lifespan.shutdown"}
+            return await receive()
+
+        async def app_send(message: Message) -> None:
+            nonlocal failure, reported
+            kind = message["type"]
+            if kind == "lifespan.startup.complete":
+                failure = await self._prepare_at_startup()
+                if failure is not None:
+                    return  # the app asks for its next message and is told to shut down
+            elif failure is not None and kind.startswith("lifespan.shutdown."):
+                reported = True
+                await send({"type": "lifespan.startup.failed", "message": failure})
+                return
+            await send(message)
+
+        await self.app(scope, app_receive, app_send)
+        if failure is not None and not reported:
+            await send({"type": "lifespan.startup.failed", "message": failure})
+
+    async def _prepare_at_startup(self) -> str | None:
+        """``None`` if the store is ready or unreachable (logged), else why startup fails."""
+        try:
+            await self._run_prepare()
+        except SchemaMissing as exc:
+            self._observer.not_ready("startup", exc, now=time.monotonic())
+            return exc.detail
+        except StoreError as exc:
+            self._observer.not_ready("startup", exc, now=time.monotonic())
+        return None

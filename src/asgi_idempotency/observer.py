@@ -17,17 +17,22 @@ from .metrics import InMemoryMetrics, MetricsSink, Outcome
 
 __all__ = ["Observer", "logger"]
 
+# A store that is not ready repeats its reason on every guarded request; say it again
+# only when it changes or after this many seconds, not once per request.
+_NOT_READY_EVERY = 60.0
+
 logger = logging.getLogger("asgi_idempotency")
 
 
 class Observer:
     """Counts and logs for one middleware; shared by all of its requests."""
 
-    __slots__ = ("counts", "sink")
+    __slots__ = ("_not_ready_said", "counts", "sink")
 
     def __init__(self, sink: MetricsSink | None) -> None:
         self.counts = InMemoryMetrics()
         self.sink = sink
+        self._not_ready_said: tuple[str, float] | None = None  # (message, monotonic time)
 
     def outcome(self, route: str, outcome: Outcome) -> None:
         self.counts.observe(route, outcome)
@@ -57,3 +62,20 @@ class Observer:
             detail=str(exc),
             **fields,
         )
+
+    def not_ready(self, phase: str, exc: BaseException, *, now: float, route: str = "") -> None:
+        """The store could not be prepared (``phase``: ``startup`` or ``request``), at ERROR.
+
+        Logged the first time, when the reason changes, and then at most once a minute,
+        so a missing schema shows on the first line a user reads without flooding the log.
+        """
+        said, detail = self._not_ready_said, str(exc)
+        if said is not None and said[0] == detail and now - said[1] < _NOT_READY_EVERY:
+            return
+        self._not_ready_said = (detail, now)
+        fields: dict[str, Any] = {"phase": phase, "error": type(exc).__name__, "detail": detail}
+        if route:
+            fields = {"route": route, **fields}
+        text = " ".join(f"{name}={value}" for name, value in fields.items())
+        event = "idempotency.not_ready"
+        logger.error("%s %s", event, text, extra={"event": event, **fields})

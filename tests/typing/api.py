@@ -46,12 +46,14 @@ from asgi_idempotency import (
     NewClaim,
     Outcome,
     Policy,
+    PreparedStore,
     Pruner,
     PruningMiddleware,
     Record,
     RecordState,
     RecordStatus,
     RequestInProgress,
+    SchemaMissing,
     SQLStore,
     Store,
     StoredResponse,
@@ -200,6 +202,9 @@ async def stores(engine: AsyncEngine) -> list[Store]:
     borrowed = SQLStore(engine)
     await sql.create_all()
     transactional: TransactionalStore = sql
+    prepared: PreparedStore = sql
+    await prepared.prepare()
+    await PreparedStore.prepare(memory)  # type: ignore[arg-type]  # nothing to prepare
     assert_type(transactional.transactions_unavailable, str | None)
     SQLStore(42)  # type: ignore[arg-type]  # a URL or an AsyncEngine
     SQLStore("sqlite://", 5.0)  # type: ignore[call-arg]  # options by keyword
@@ -265,7 +270,9 @@ def errors(exc: Exception) -> int | None:
         RequestInProgress,
         StoreUnavailable,
         StoreError,
+        SchemaMissing,
     ]
+    missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
     unavailable: StoreUnavailable = StoreError.wrap(exc)
     assert_type(StoreError.wrap(exc), StoreError)
     StoreError("down", retry_after=1.0)  # type: ignore[call-arg]  # a store error's own rule
@@ -276,7 +283,7 @@ def errors(exc: Exception) -> int | None:
         assert_type(exc.body(), bytes)
         assert_type(exc.headers(), list[tuple[bytes, bytes]])
         return exc.status
-    del tree, unavailable, in_progress, bad_json
+    del tree, unavailable, in_progress, bad_json, missing
     return None
 
 

@@ -20,6 +20,7 @@ from ..errors import StoreError
 __all__ = [
     "Bucket",
     "NewClaim",
+    "PreparedStore",
     "Record",
     "RecordStatus",
     "Store",
@@ -163,6 +164,28 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PreparedStore(Protocol):
+    """A store with something to do, or to check, before it can serve (optional).
+
+    The middleware calls :meth:`prepare` at lifespan startup, and on the first
+    guarded request when there was no lifespan, until it succeeds once; after that
+    it costs nothing per request. A store without this method is ready as built.
+    """
+
+    async def prepare(self) -> None:
+        """Make the store ready to serve, or say what the operator must do.
+
+        Idempotent and safe to run from several processes at once.
+
+        Raises:
+            SchemaMissing: the schema is the operator's and is missing; its message
+                names the fix.
+            StoreError: the store could not be reached.
+        """
+        ...
 
 
 class StoreTransaction(Protocol):

@@ -21,14 +21,16 @@ from contextlib import AbstractAsyncContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import Executable, event
+from sqlalchemy import Executable, event, inspect, text
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.schema import CreateIndex, CreateTable
 
-from ..errors import StoreError
-from ..urls import async_url
+from ..errors import SchemaMissing, StoreError
+from ..urls import async_url, redact
 from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
-from .schema import metadata
+from .schema import records
 from .sqlerrors import DRIVER_ERRORS, translate
 from .sqlite import SQLiteDriver, set_pragmas
 from .statements import (
@@ -122,14 +124,71 @@ class SQLStore:
         )
         # Transactions' connections close even when their request is cancelled.
         self._closing: set[asyncio.Task[Any]] = set()
+        self._prepared = False  # prepare() passed once: later calls cost nothing
 
     async def create_all(self) -> None:
-        """Create the table and index if missing (development and tests; migrate in production)."""
+        """Create the table and index if missing (development and tests; migrate in production).
+
+        A table created here gets the migrations' head recorded in
+        ``idempotency_alembic_version`` in the same transaction, so ``prepare``'s check
+        passes and a later ``asgi-idempotency migrate`` continues from it. Safe to run
+        from several processes at once (a lock on Postgres, ``BEGIN IMMEDIATE`` on SQLite).
+        """
         try:
-            async with self.engine.begin() as conn:
-                await conn.run_sync(metadata.create_all)
+            if self.dialect == "sqlite":
+                # pysqlite opens no transaction for DDL, and a deferred one would let two
+                # workers both see no table: take SQLite's write lock first (busy timeout).
+                async with self._autocommit.connect() as conn:
+                    await conn.exec_driver_sql("BEGIN IMMEDIATE")
+                    try:
+                        await conn.run_sync(_create_schema)
+                    except BaseException:
+                        await conn.exec_driver_sql("ROLLBACK")
+                        raise
+                    await conn.exec_driver_sql("COMMIT")
+            else:
+                async with self.engine.begin() as conn:
+                    await conn.execute(_PG_SCHEMA_LOCK)
+                    await conn.run_sync(_create_schema)
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
+
+    async def prepare(self) -> None:
+        """Make the store ready to serve; the middleware runs it at startup (``PreparedStore``).
+
+        On SQLite, the embedded default, the table is created if missing
+        (:meth:`create_all`), so the first start needs no separate step. On Postgres
+        the schema is the operator's: this only checks that the table exists and the
+        migrations' head is recorded, and changes nothing. Once it has passed, later
+        calls return at once (every middleware on this store calls it).
+
+        Raises:
+            SchemaMissing: on Postgres, the table or the head is missing; the message
+                names the table and ``asgi-idempotency migrate --database-url ...``.
+            StoreError: the database could not be reached.
+        """
+        if self._prepared:
+            return
+        if self.dialect == "sqlite":
+            await self.create_all()
+            self._prepared = True
+            return
+        from ..migrations import schema_problem
+
+        try:
+            async with self._autocommit.connect() as conn:
+                problem = await conn.run_sync(schema_problem)
+        except DRIVER_ERRORS as exc:
+            raise translate(exc) from exc
+        if problem is not None:
+            url = redact(self.engine.url.render_as_string(hide_password=False))
+            real = " (with the real password for ***)" if "***" in url else ""
+            raise SchemaMissing(
+                f"{problem} in {url}: run `asgi-idempotency migrate --database-url '{url}'`"
+                f"{real}. On Postgres the schema is the operator's: the middleware checks "
+                "it at startup and creates nothing."
+            )
+        self._prepared = True
 
     # The hot path: one prepared statement on the driver connection each.
 
@@ -251,6 +310,22 @@ class SQLStore:
             await asyncio.gather(*self._closing, return_exceptions=True)
         if self._owns_engine:
             await self.engine.dispose()
+
+
+# Serialises concurrent create_all calls on one Postgres database (a transaction-scoped lock).
+_PG_SCHEMA_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('asgi_idempotency.schema'))")
+
+
+def _create_schema(conn: Connection) -> None:
+    """The table and its indexes from the one ``Table``; the migrations' head, if created now."""
+    from ..migrations import stamp_head
+
+    created = not inspect(conn).has_table(records.name)
+    conn.execute(CreateTable(records, if_not_exists=True))
+    for index in records.indexes:
+        conn.execute(CreateIndex(index, if_not_exists=True))
+    if created:
+        stamp_head(conn)
 
 
 def _hot_path_limit(engine: AsyncEngine) -> int:
