@@ -10,6 +10,13 @@ thread, which runs its statement(s) and hands plain rows back to the event loop:
 claim inserts and, on conflict, reads the row in the way, both in that one call
 (SQLite has no data-modifying CTE).
 
+Operations that queue up while the thread is busy run together, in one
+``BEGIN IMMEDIATE`` transaction, and are answered once it commits: one lock and one
+WAL commit for the lot, so durability is shared, not weakened. A statement that
+fails rolls the batch back and every operation in it runs again on its own; a failed
+BEGIN or COMMIT leaves nothing written and fails them all (the 503 path). An
+operation whose waiter was cancelled before the thread reached it is not run.
+
 An in-memory database cannot be shared by two connections, so on one the hot path
 runs its statements through the engine instead (tests and demos only; slower).
 """
@@ -39,9 +46,10 @@ __all__ = [
 
 T = TypeVar("T")
 
-# Whether SQLite drivers run the writes queued together in one transaction by default
-# (read when the store is built; ``bench/sqlite_store.py`` sets it to compare).
-BATCH = False
+# Whether SQLite drivers run the operations queued together in one transaction (read
+# when the store is built; ``bench/sqlite_store.py`` turns it off to compare). It wins
+# under concurrency and costs nothing one request at a time (bench/results/NOTES.md).
+BATCH = True
 
 # A job for the thread: the future to settle, the function and its arguments.
 _Job = tuple["asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
@@ -98,7 +106,7 @@ class ConnectionThread:
         batch: run jobs queued together in one transaction (see :meth:`_run_batch`).
     """
 
-    def __init__(self, connect: Callable[[], sqlite3.Connection], *, batch: bool = False) -> None:
+    def __init__(self, connect: Callable[[], sqlite3.Connection], *, batch: bool = True) -> None:
         self._connect = connect
         self._batch = batch
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
@@ -125,6 +133,8 @@ class ConnectionThread:
             await ready
         except BaseException:
             self._open = False
+            # Cancelled while it was connecting: once connected, it closes again.
+            self._jobs.put((asyncio.get_running_loop().create_future(), _close, ()))
             raise
 
     async def _execute(self, fn: Callable[..., T], *args: Any) -> T:
@@ -243,6 +253,10 @@ def _close() -> None:
 
 def _run_one(job: _Job) -> _Answer:
     future, fn, args = job
+    if future.cancelled():
+        # Its waiter went away before the statement was sent: it is not sent (a claim
+        # run now would leave a row that nobody owns until its lease runs out).
+        return future, True, None
     try:
         return future, True, fn(*args)
     except BaseException as exc:
