@@ -26,7 +26,6 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 CELLS = [("fresh", 32), ("fresh", 1), ("replay", 32)]
@@ -116,28 +115,29 @@ def main() -> None:
     if args.child:
         _child(args)
         return
-    variants = [(args.this, "", {})] + [_variant(s) for s in args.compare]
+    variants: list[tuple[str, str, dict[str, str]]] = [(args.this, "", {})]
+    variants += [_variant(s) for s in args.compare]
     cells = [(w, int(c)) for w, c in (x.split("@") for x in args.cells.split(","))]
     results: dict[tuple[str, str, int], list[float]] = {}
     for rnd in range(args.rounds):
         order = variants if rnd % 2 == 0 else variants[::-1]
         for workload, concurrency in cells:
-            n = args.n if concurrency > 1 else args.n // 4
+            n = args.n if concurrency > 1 else args.n // 2
             for name, src, env in order:
                 rate = _spawn(src, env, workload, concurrency, n)
                 results.setdefault((name, workload, concurrency), []).append(rate)
                 print(f"round {rnd} {workload}@{concurrency} {name}: {rate:.0f}/s", flush=True)
-    summary: list[dict[str, Any]] = []
     for workload, concurrency in cells:
-        base = statistics.median(results[(variants[0][0], workload, concurrency)])
+        base = results[(variants[0][0], workload, concurrency)]
         for name, _, _ in variants:
             runs = results[(name, workload, concurrency)]
             med = statistics.median(runs)
-            summary.append({"cell": f"{workload}@{concurrency}", "variant": name, "median": med})
+            # The median of per-round ratios: drift between rounds cancels out.
+            ratio = statistics.median(r / b for r, b in zip(runs, base, strict=True))
             print(
                 f"{workload:6} c={concurrency:<3} {name:12} median {med:7.0f}/s  "
-                f"({med / base:.2f}x {variants[0][0]})  min {min(runs):.0f} max {max(runs):.0f}  "
-                f"rounds {[round(r) for r in runs]}"
+                f"{ratio:.2f}x {variants[0][0]} (median of rounds)  "
+                f"min {min(runs):.0f} max {max(runs):.0f}  rounds {[round(r) for r in runs]}"
             )
 
 
