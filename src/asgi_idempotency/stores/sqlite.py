@@ -112,6 +112,8 @@ class ConnectionThread:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._conn: sqlite3.Connection | None = None
         self._open = False
+        # Held to queue a job and to stop taking them, so that none is queued unanswered.
+        self._gate = threading.Lock()
         # A daemon, so that a store never closed does not keep the interpreter from exiting
         # (every answered statement has committed).
         self.thread = threading.Thread(
@@ -139,16 +141,18 @@ class ConnectionThread:
 
     async def _execute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the connection's thread and return what it returns."""
-        if not self._open:
-            raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._jobs.put((future, fn, args))
+        with self._gate:
+            if not self._open:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            self._jobs.put((future, fn, args))
         return await future
 
     async def close(self) -> None:
         """Run what is queued, close the connection, and join the thread."""
         if self._open:
-            self._open = False
+            with self._gate:
+                self._open = False
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._jobs.put((done, _close, ()))
             try:
@@ -162,13 +166,11 @@ class ConnectionThread:
 
     def _serve(self) -> None:
         first_future, _, _ = self._jobs.get()
-        assert first_future is not None
         try:
             conn = self._conn = self._connect()
         except BaseException as exc:
-            self._open = False
             _answer([(first_future, False, exc)])
-            self._drain(exc)
+            self._stop(exc)
             return
         _answer([(first_future, True, None)])
         jobs = self._jobs
@@ -218,13 +220,13 @@ class ConnectionThread:
         except BaseException as exc:  # COMMIT
             failure = exc
         try:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # some errors (SQLITE_FULL, IOERR) roll back by themselves
+                conn.execute("ROLLBACK")
         except BaseException as exc:
             # Unknown state: closing the connection rolls back for certain.
-            self._open = False
             conn.close()
             _answer([(f, False, exc) for f, _, _ in batch])
-            self._drain(exc)
+            self._stop(exc)
             return False
         if failure is not None:
             _answer([(f, False, failure) for f, _, _ in batch])
@@ -233,8 +235,10 @@ class ConnectionThread:
                 _answer([_run_one(job)])
         return True
 
-    def _drain(self, exc: BaseException) -> None:
-        # Anything queued before the event loop saw the connection stop gets the error.
+    def _stop(self, exc: BaseException) -> None:
+        # Take no more jobs, and answer what was queued with the error.
+        with self._gate:
+            self._open = False
         while True:
             try:
                 future, _, _ = self._jobs.get_nowait()
