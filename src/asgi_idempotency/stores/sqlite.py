@@ -74,12 +74,20 @@ def _settle(answers: list[_Answer]) -> None:
     # On the event loop. A waiter that was cancelled has stopped listening; its
     # statement ran (or not) all the same, as any statement already sent does.
     for future, ok, value in answers:
-        if future.done():
-            continue
+        _settle_one(future, ok, value)
+
+
+def _settle_one(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if not future.done():
         if ok:
             future.set_result(value)
         else:
             future.set_exception(value)
+
+
+def _answer_one(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits now
+        future.get_loop().call_soon_threadsafe(_settle_one, future, ok, value)
 
 
 def _answer(answers: list[_Answer]) -> None:
@@ -175,7 +183,11 @@ class ConnectionThread:
         _answer([(first_future, True, None)])
         jobs = self._jobs
         while True:
-            batch = [jobs.get()]
+            job = jobs.get()
+            if jobs.empty() and job[1] is not _close:  # one at a time: the short way
+                _answer_one(*_run_one(job))
+                continue
+            batch = [job]
             while True:  # and whatever else is queued already
                 try:
                     batch.append(jobs.get_nowait())
@@ -188,7 +200,7 @@ class ConnectionThread:
                     return
             else:
                 for job in work:
-                    _answer([_run_one(job)])
+                    _answer_one(*_run_one(job))
             if closing is not None:
                 conn.close()
                 _answer([_run_one(batch[closing])])
@@ -232,7 +244,7 @@ class ConnectionThread:
             _answer([(f, False, failure) for f, _, _ in batch])
         else:
             for job in batch:
-                _answer([_run_one(job)])
+                _answer_one(*_run_one(job))
         return True
 
     def _stop(self, exc: BaseException) -> None:
@@ -244,7 +256,7 @@ class ConnectionThread:
                 future, _, _ = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            _answer([(future, False, exc)])
+            _answer_one(future, False, exc)
 
 
 def _nothing() -> None:
