@@ -78,7 +78,7 @@ def _child(args: argparse.Namespace) -> None:
     if "BENCH_SQLITE_BATCH" in os.environ:  # a knob of the thread driver; older code ignores it
         from asgi_idempotency.stores import sqlite
 
-        sqlite.BATCH = os.environ["BENCH_SQLITE_BATCH"] == "1"  # type: ignore[attr-defined,unused-ignore]
+        sqlite.BATCH = os.environ["BENCH_SQLITE_BATCH"] == "1"
 
     with tempfile.TemporaryDirectory(prefix="bench_sqlite_") as tmp:
         rate = uvloop.run(_cell(f"{tmp}/s.db", args.workload, args.concurrency, args.n))

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from asgi_idempotency import SQLStore, StoreError
-from asgi_idempotency.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
 from asgi_idempotency.stores.base import NewClaim, StoredResponse
 from asgi_idempotency.stores.sqlite import ConnectionThread, SQLiteDriver
 
@@ -145,6 +145,8 @@ async def test_a_failing_statement_fails_only_its_own_request(store: SQLStore) -
     first, failed, last = await asyncio.wait_for(
         asyncio.gather(*tasks, return_exceptions=True), WAIT
     )
+    assert isinstance(first, Claim)
+    assert isinstance(last, Claim)
     assert first.outcome is ClaimOutcome.CLAIMED
     assert last.outcome is ClaimOutcome.CLAIMED
     assert isinstance(failed, StoreError)
@@ -193,6 +195,8 @@ async def test_a_cancelled_waiter_leaves_the_rest_of_its_batch_alone(store: SQLS
     await h.release()
     done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
     assert isinstance(done[1], asyncio.CancelledError)
+    assert isinstance(done[0], Claim)
+    assert isinstance(done[2], Claim)
     assert [done[0].outcome, done[2].outcome] == [ClaimOutcome.CLAIMED] * 2
     # The cancelled claim was never sent, so no row waits for an owner that left.
     assert await keys(store) == ["p", "r"]
