@@ -32,7 +32,7 @@ from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .schema import records
 from .sqlerrors import DRIVER_ERRORS, translate
-from .sqlite import SQLiteDriver, set_pragmas
+from .sqlite import set_pragmas, sqlite_driver
 from .statements import (
     as_time,
     buckets_query,
@@ -78,11 +78,12 @@ class SQLStore:
     Args:
         url_or_engine: a database URL (``postgresql+asyncpg://…`` or
             ``sqlite+aiosqlite:///path.db``) or an ``AsyncEngine`` the caller owns
-            (and disposes: :meth:`close` leaves a passed engine open, after returning
-            the connection the store holds on SQLite).
+            (and disposes: :meth:`close` leaves a passed engine open; on SQLite it
+            closes the store's own hot-path connection and joins its thread).
         command_timeout: seconds any one statement may take before the store gives
             up and the request gets 503 (default 5). Set on the driver, so it costs
-            no statement of its own. Applies when the store builds the engine.
+            no statement of its own. Applies when the store builds the engine, and on
+            SQLite to the hot path's own connection either way.
         pool_size: on Postgres, connections per process that the hot path keeps for its
             one-statement operations (default 10); the engine the store builds has as
             many again for transactional requests, ``get``, ``prune`` and your own Core
@@ -117,7 +118,7 @@ class SQLStore:
         self._driver: _Driver = (
             PostgresDriver(engine, limit=_hot_path_limit(engine), timeout=command_timeout)
             if self.dialect == "postgresql"
-            else SQLiteDriver(engine)
+            else sqlite_driver(engine, timeout=command_timeout)
         )
         self._time: Callable[[datetime], Any] = (
             _aware if self.dialect == "postgresql" else _sqlite_aware
