@@ -141,7 +141,13 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+STORE_KINDS = [
+    "memory",
+    "sqlite",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    # The same Postgres store with natural batching (SQLStore(batching=True)).
+    pytest.param("postgres_batched", marks=pytest.mark.postgres),
+]
 
 
 @pytest.fixture(params=STORE_KINDS)
@@ -150,8 +156,9 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
         return
-    url = request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
-    sql = SQLStore(url)
+    postgres = request.param in ("postgres", "postgres_batched")
+    url = request.getfixturevalue("pg_url" if postgres else "sqlite_url")
+    sql = SQLStore(url, batching=request.param == "postgres_batched")
     await truncate(sql)
     try:
         yield sql

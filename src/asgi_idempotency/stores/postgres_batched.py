@@ -1,0 +1,166 @@
+"""Postgres with natural batching: claims, completions, releases and renewals, many per statement.
+
+``SQLStore(url, batching=True)``. Each operation kind has a :class:`~.batching.Batcher`
+of its own, with at most one statement in flight, so a kind never waits behind
+another's batch; the statements run on the hot path's connections
+(:class:`~.postgres.PostgresDriver`: broken connections, timeouts and the wait for a
+connection are handled there, as for one-request statements). The statements are
+:data:`~.statements.PG_BATCHED`, built from the one ``Table``.
+
+The take-over's compare-and-swap (``replace``) stays one statement per request: it is
+rare, and it must compare each row as its caller read it.
+
+What this changes against one statement per request:
+
+- **Round trips** per request go down under load, never up: a claim answers a fresh
+  key, a replay, a 409 or a 422 from one statement, shared with whatever else was
+  queued; a completion or a release is one more, shared too.
+- **A claim whose waiter was cancelled** after its row was inserted is released at
+  once (token-fenced), so the key is free for a retry; the request never ran its
+  handler. If the statement's answer itself was lost (the connection broke), the row
+  stays in progress until its lease ends, as without batching.
+- **A statement that waits on a row lock holds up its batch and the one queued behind
+  it**, up to ``command_timeout``, and they fail together (503). Row locks outlive a
+  statement only in a transaction: a transactional request's uncommitted claim of the
+  same scoped key, or the application's own transaction on the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .batching import Batcher, BatchStats
+from .postgres import PostgresDriver
+from .statements import PG_BATCHED, Compiled
+
+__all__ = ["BatchingPostgresDriver"]
+
+# (inserted, the row in the way as RECORD_COLUMNS, or None if not visible)
+ClaimAnswer = tuple[bool, Sequence[Any] | None]
+_NOT_VISIBLE: ClaimAnswer = (False, None)
+_INSERTED: ClaimAnswer = (True, None)
+
+# The parameters of each batched statement, from the one-request values dict SQLStore
+# builds, in the order of the arrays (PG_BATCHED[name].names is "<alias>_<column>").
+_FIELDS = {
+    "claim": ("key", "request_hash", "token", "now", "locked_until", "expires_at"),
+    "complete": (
+        "where_key",
+        "where_token",
+        "expires_at",
+        "response_status",
+        "response_headers",
+        "response_body",
+    ),
+    "release": ("where_key", "where_token"),
+    "renew": ("where_key", "where_token", "locked_until"),
+}
+
+
+def _columns(values: list[dict[str, Any]], fields: tuple[str, ...]) -> list[list[Any]]:
+    return [[v[f] for v in values] for f in fields]
+
+
+class BatchingPostgresDriver:
+    """The ``_Driver`` of :class:`~.sql.SQLStore` on Postgres, batching its hot path.
+
+    Args:
+        engine: the store's engine; its hot-path connections come from a
+            :class:`PostgresDriver` (``limit`` connections, waits up to ``timeout``).
+        max_batch: requests per statement, at most (default 256).
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, *, limit: int, timeout: float, max_batch: int = 256
+    ) -> None:
+        self.inner = PostgresDriver(engine, limit=limit, timeout=timeout)
+        self._releasing: set[asyncio.Task[int]] = set()
+        self._claims: Batcher[dict[str, Any], ClaimAnswer] = Batcher(
+            self._claim_many, key=_claim_key, max_size=max_batch, orphan=self._orphaned
+        )
+        self._fenced: dict[str, Batcher[dict[str, Any], int]] = {
+            name: Batcher(
+                self._fenced_runner(name),
+                key=_fenced_key,
+                max_size=max_batch,
+                size=_body_size if name == "complete" else None,
+            )
+            for name in ("complete", "release", "renew")
+        }
+
+    @property
+    def stats(self) -> dict[str, BatchStats]:
+        """Statements sent and operations carried, per kind (``claim``, ``complete``...)."""
+        return {"claim": self._claims.stats, **{n: b.stats for n, b in self._fenced.items()}}
+
+    async def claim(self, values: dict[str, Any]) -> ClaimAnswer:
+        """(inserted, the row in the way as ``RECORD_COLUMNS``, or None if not visible)."""
+        return await self._claims.submit(values)
+
+    async def rowcount(self, name: str, values: dict[str, Any]) -> int:
+        batcher = self._fenced.get(name)
+        if batcher is None:  # replace: one compare-and-swap per request
+            return await self.inner.rowcount(name, values)
+        return await batcher.submit(values)
+
+    async def _claim_many(self, batch: list[dict[str, Any]]) -> list[ClaimAnswer]:
+        stmt = PG_BATCHED["claim"]
+        args = _columns(batch, _FIELDS["claim"])
+        rows = await self.inner._run(lambda c: c.fetch(stmt.sql, *args))
+        by_key: dict[str, ClaimAnswer] = {}
+        for row in rows:
+            if row[1]:
+                by_key[row[0]] = _INSERTED
+            elif row[2] is not None:
+                by_key[row[0]] = (False, tuple(row)[2:])
+        return [by_key.get(values["key"], _NOT_VISIBLE) for values in batch]
+
+    def _fenced_runner(self, name: str) -> Any:
+        stmt: Compiled = PG_BATCHED[name]
+        fields = _FIELDS[name]
+
+        async def run(batch: list[dict[str, Any]]) -> list[int]:
+            args = _columns(batch, fields)
+            rows = await self.inner._run(lambda c: c.fetch(stmt.sql, *args))
+            done = {(row[0], row[1]) for row in rows}
+            return [int((v["where_key"], v["where_token"]) in done) for v in batch]
+
+        return run
+
+    def _orphaned(self, values: dict[str, Any], answer: ClaimAnswer) -> None:
+        """A claim inserted for a waiter that was cancelled: release it (token-fenced)."""
+        if not answer[0]:
+            return
+        release = {"where_key": values["key"], "where_token": values["token"]}
+        task = asyncio.ensure_future(self._fenced["release"].submit(release))
+        self._releasing.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[int]) -> None:
+        self._releasing.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed release leaves the row to its lease
+
+    async def close(self) -> None:
+        await self._claims.close()
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
+        for batcher in self._fenced.values():
+            await batcher.close()
+        await self.inner.close()
+
+
+def _claim_key(values: dict[str, Any]) -> Any:
+    return values["key"]
+
+
+def _fenced_key(values: dict[str, Any]) -> Any:
+    return values["where_key"]
+
+
+def _body_size(values: dict[str, Any]) -> int:
+    return len(values["response_body"]) + len(values["response_headers"])
