@@ -275,7 +275,8 @@ async def test_the_same_key_twice_in_one_batch_one_wins_the_other_gets_409(
     batched: SQLStore,
 ) -> None:
     # Everything below queues while the first statement waits on the held row, so it
-    # is one batch but for the repeated key, which must wait for a statement of its own.
+    # is one batch: the repeated key goes into the statement once, and its repeats are
+    # answered with the first one's fresh row (what a statement just after would read).
     async with holding(batched, k("held")):
         blocked = asyncio.ensure_future(claim(batched, k("held")))
         await in_flight(batched)
@@ -288,10 +289,41 @@ async def test_the_same_key_twice_in_one_batch_one_wins_the_other_gets_409(
     assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 4
     assert {(await t).outcome for t in others} == {ClaimOutcome.CLAIMED}
     stats = driver(batched).stats["claim"]
-    assert stats.largest == 6  # the second batch: one "dup" and the five others
+    assert stats.statements == 2
+    assert stats.largest == 10  # the second batch: five "dup" and the five others
     record = await batched.get(k("dup"))
     assert record is not None
     assert record.status is RecordStatus.IN_PROGRESS
+    for t in same:  # each loser was shown the winner's row, not some other
+        if t.result().outcome is ClaimOutcome.IN_PROGRESS:
+            assert t.result().record == record
+
+
+@pg
+async def test_a_storm_of_one_key_is_one_statement_with_one_winner(batched: SQLStore) -> None:
+    # Alone in its batch, the key goes as the one-row statement; its repeats share it.
+    results = await asyncio.gather(*(claim(batched, k("storm")) for _ in range(40)))
+    outcomes = [r.outcome for r in results]
+    assert outcomes.count(ClaimOutcome.CLAIMED) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 39
+    assert driver(batched).stats["claim"].statements == 1
+
+
+@pg
+async def test_the_same_key_with_another_body_in_one_batch_is_a_mismatch(
+    batched: SQLStore,
+) -> None:
+    async with holding(batched, k("held")):
+        blocked = asyncio.ensure_future(claim(batched, k("held")))
+        await in_flight(batched)
+        first = asyncio.ensure_future(claim(batched, k("dup2"), h="h1"))
+        other = asyncio.ensure_future(claim(batched, k("dup2"), h="h2"))
+        fresh = asyncio.ensure_future(claim(batched, k("fresh2")))
+        await asyncio.sleep(0.05)
+    await blocked
+    assert (await first).outcome is ClaimOutcome.CLAIMED
+    assert (await other).outcome is ClaimOutcome.MISMATCH
+    assert (await fresh).outcome is ClaimOutcome.CLAIMED
 
 
 @pg
@@ -577,8 +609,7 @@ async def test_round_trips_under_load_are_amortised_below_todays(
         assert await burst("fresh", fresh, {"a": 1}) == [201] * n
         assert await burst("replay", fresh, {"a": 1}) == [201] * n
         assert await burst("mismatch_422", fresh, {"a": 2}) == [422] * n
-        # Duplicates of one in-flight key: one statement each (one key per statement),
-        # so 409s cost what they cost without batching, and no more.
+        # Duplicates of one in-flight key: they share one row of one statement.
         held = {"Idempotency-Key": "held-409"}
         first = asyncio.ensure_future(c.post("/pay", json={"wait": True}, headers=held))
         await asyncio.wait_for(app.entered.wait(), 5)

@@ -12,7 +12,9 @@ Rules, each with a test in ``tests/stores/test_batching.py``:
 
 - **One operation per key per statement.** A second operation on a key already in the
   batch being formed waits for the next statement, in arrival order, so it sees what
-  the first committed (the second claim of a key gets the first one's row: a 409).
+  the first committed. A batcher made with ``distinct=False`` takes every request and
+  leaves duplicates to its ``run``, which must answer each as if it came after the
+  first (the Postgres claims do: ``postgres_batched.py``).
 - **A statement that fails fails every request it carried**, each with its own
   :class:`StoreError`. A statement is atomic, so nothing of it stays behind.
 - **A waiter's cancellation never cancels the statement.** The statement runs in the
@@ -60,7 +62,9 @@ class Batcher(Generic[Req, Res]):
     Args:
         run: sends one statement for a batch; returns one answer per request, in
             order. Raises :class:`StoreError` when the statement fails.
-        key: what makes two requests the same row; at most one per key per batch.
+        key: what makes two requests the same row.
+        distinct: at most one request per key per batch (default); ``False`` lets
+            ``run`` have them all and answer the repeats itself.
         max_size: requests per statement, at most (default 256).
         size: the payload of a request in bytes, for ``max_bytes`` (default: 0).
         max_bytes: payload per statement, at most; a single larger request still
@@ -74,6 +78,7 @@ class Batcher(Generic[Req, Res]):
         run: Callable[[list[Req]], Awaitable[Sequence[Res]]],
         *,
         key: Callable[[Req], Hashable],
+        distinct: bool = True,
         max_size: int = 256,
         size: Callable[[Req], int] | None = None,
         max_bytes: int = 8 << 20,
@@ -83,6 +88,7 @@ class Batcher(Generic[Req, Res]):
             raise ValueError("max_size must be at least 1")
         self._run = run
         self._key = key
+        self._distinct = distinct
         self._max_size = max_size
         self._size = size
         self._max_bytes = max_bytes
@@ -127,7 +133,7 @@ class Batcher(Generic[Req, Res]):
             if future.done():  # its waiter was cancelled before it was sent: drop it
                 continue
             key = self._key(request)
-            if key in seen:
+            if key in seen and self._distinct:
                 held.append(entry)  # the same key again: next statement, after this one
                 continue
             if self._size is not None:

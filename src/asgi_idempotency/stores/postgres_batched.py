@@ -20,7 +20,9 @@ What this changes against one statement per request:
 
 - **Round trips** per request go down under load, never up: a claim answers a fresh
   key, a replay, a 409 or a 422 from one statement, shared with whatever else was
-  queued; a completion or a release is one more, shared too.
+  queued; a completion or a release is one more, shared too. Claims of one key in a
+  batch take one row of the statement (a replay storm of one key is one statement);
+  completions, releases and renewals of one key go one per statement, in order.
 - **A claim whose waiter was cancelled** after its row was inserted is released at
   once (token-fenced), so the key is free for a retry; the request never ran its
   handler. If the statement's answer itself was lost (the connection broke), the row
@@ -39,6 +41,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from .base import RecordStatus
 from .batching import Batcher, BatchStats
 from .postgres import PostgresDriver
 from .statements import PG_BATCHED, Compiled
@@ -85,8 +88,13 @@ class BatchingPostgresDriver:
     ) -> None:
         self.inner = PostgresDriver(engine, limit=limit, timeout=timeout)
         self._releasing: set[asyncio.Task[int]] = set()
+        # Claims of one key share a statement: see _claim_many.
         self._claims: Batcher[dict[str, Any], ClaimAnswer] = Batcher(
-            self._claim_many, key=_claim_key, max_size=max_batch, orphan=self._orphaned
+            self._claim_many,
+            key=_claim_key,
+            distinct=False,
+            max_size=max_batch,
+            orphan=self._orphaned,
         )
         self._fenced: dict[str, Batcher[dict[str, Any], int]] = {
             name: Batcher(
@@ -114,18 +122,39 @@ class BatchingPostgresDriver:
         return await batcher.submit(values)
 
     async def _claim_many(self, batch: list[dict[str, Any]]) -> list[ClaimAnswer]:
-        if len(batch) == 1:  # alone: the one-row statement (see the module docstring)
-            return [await self.inner.claim(batch[0])]
-        stmt = PG_BATCHED["claim"]
-        args = _columns(batch, _FIELDS["claim"])
-        rows = await self.inner._run(lambda c: c.fetch(stmt.sql, *args))
+        """One statement for the batch; claims of one key are answered from its first.
+
+        Only the first claim of a key goes into the statement. If it inserted, every
+        later claim of that key in the batch gets the first one's fresh row as the row
+        in the way: what it would read in a statement of its own sent just after (so a
+        duplicate is a 409, or a 422 for another body). If it did not, they all get
+        the same row in the way, read in the same snapshot, as they would have side by
+        side. So a storm of one key (replays, duplicates) costs one statement, not one
+        each.
+        """
+        first: dict[str, dict[str, Any]] = {}
+        for values in batch:
+            first.setdefault(values["key"], values)
+        unique = list(first.values())
         by_key: dict[str, ClaimAnswer] = {}
-        for row in rows:
-            if row[1]:
-                by_key[row[0]] = _INSERTED
-            elif row[2] is not None:
-                by_key[row[0]] = (False, tuple(row)[2:])
-        return [by_key.get(values["key"], _NOT_VISIBLE) for values in batch]
+        if len(unique) == 1:  # alone: the one-row statement (see the module docstring)
+            by_key[unique[0]["key"]] = await self.inner.claim(unique[0])
+        else:
+            stmt = PG_BATCHED["claim"]
+            args = _columns(unique, _FIELDS["claim"])
+            for row in await self.inner._run(lambda c: c.fetch(stmt.sql, *args)):
+                if row[1]:
+                    by_key[row[0]] = _INSERTED
+                elif row[2] is not None:
+                    by_key[row[0]] = (False, tuple(row)[2:])
+        answers = []
+        for values in batch:
+            key = values["key"]
+            answer = by_key.get(key, _NOT_VISIBLE)
+            if answer[0] and first[key] is not values:
+                answer = (False, _claimed_row(first[key]))
+            answers.append(answer)
+        return answers
 
     def _fenced_runner(self, name: str) -> Any:
         stmt: Compiled = PG_BATCHED[name]
@@ -162,6 +191,14 @@ class BatchingPostgresDriver:
         for batcher in self._fenced.values():
             await batcher.close()
         await self.inner.close()
+
+
+def _claimed_row(values: dict[str, Any]) -> tuple[Any, ...]:
+    """The row a claim inserted, as ``RECORD_COLUMNS``: in progress, no response."""
+    return (
+        values["request_hash"], RecordStatus.IN_PROGRESS.value, values["token"],
+        values["now"], values["locked_until"], values["expires_at"], None, None, None,
+    )  # fmt: skip
 
 
 def _claim_key(values: dict[str, Any]) -> Any:

@@ -300,7 +300,8 @@ def to_record(key: str, row: Sequence[Any]) -> Record:
 
 # Batched hot path (Postgres, ``SQLStore(batching=True)``): one statement carries many
 # requests, as parallel arrays unnested into rows. Each request's answer is its own row
-# of the result, matched by key (a batch never holds one key twice: ``batching.py``).
+# of the result, matched by key (a statement never holds one key twice:
+# ``postgres_batched.py``).
 
 
 def _unnest(name: str, *columns: tuple[str, Any]) -> Any:
