@@ -91,8 +91,9 @@ class SQLStore:
             hot path keeps half its pool.
         batching: on Postgres, send the claims, completions, releases and renewals
             that queue while a statement of their kind is in flight as one statement
-            (:mod:`.postgres_batched`; README: "Batching"). ``None`` (the default)
-            reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else off). Ignored on SQLite.
+            (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
+            ``None`` (the default) reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else
+            off). Ignored on SQLite.
     """
 
     def __init__(
