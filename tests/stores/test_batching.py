@@ -347,16 +347,29 @@ async def test_take_over_and_expiry_inside_a_batch_stay_conditional_and_fenced(
     assert outcomes[:3].count(ClaimOutcome.TAKEN_OVER) == 1
     assert outcomes[:3].count(ClaimOutcome.IN_PROGRESS) == 2
     assert outcomes[3:] == [ClaimOutcome.CLAIMED, ClaimOutcome.CLAIMED]
-    # The old owner wakes up: fenced in a batch as alone.
+    # The old owner wakes up: fenced row by row inside batches of several (each of its
+    # operations shares its statement with live owners' operations on other keys).
     new_owner = await batched.get(k("abandoned"))
     assert new_owner is not None
     assert new_owner.token != old
-    stale, renewed, released = await asyncio.gather(
+    owners = {name: tok() for name in ("o1", "o2", "o3")}
+    for name, t in owners.items():
+        await claim(batched, k(name), token=t, now=later)
+    stats = driver(batched).stats
+    sent = {kind: stats[kind].statements for kind in ("complete", "renew", "release")}
+    stale, renewed, released, *live = await asyncio.gather(
         batched.complete(k("abandoned"), old, RESPONSE, expires_at=later + TTL),
         batched.renew(k("abandoned"), old, locked_until=later + 2 * LEASE),
         batched.release(k("abandoned"), old),
+        batched.complete(k("o1"), owners["o1"], RESPONSE, expires_at=later + TTL),
+        batched.renew(k("o2"), owners["o2"], locked_until=later + 2 * LEASE),
+        batched.release(k("o3"), owners["o3"]),
     )
     assert (stale, renewed, released) == (False, False, False)
+    assert live == [True, True, True]
+    for kind, before in sent.items():  # one two-row statement each
+        assert stats[kind].statements == before + 1, kind
+        assert stats[kind].largest >= 2, kind
     assert await batched.get(k("abandoned")) == new_owner
     assert await batched.complete(k("abandoned"), new_owner.token, RESPONSE, expires_at=later + TTL)
 
