@@ -77,7 +77,7 @@ async def _load(op: Op, *, concurrency: int, seconds: float) -> dict[str, float]
 async def store_level(
     pg_url: str, *, rounds: int, seconds: float, concurrency: int
 ) -> dict[str, Any]:
-    import asyncpg
+    import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
 
     from asgi_idempotency import SQLStore, lifecycle
     from asgi_idempotency.stores.base import StoredResponse
@@ -144,7 +144,14 @@ async def store_level(
                     log(f"store round {rnd + 1}/{rounds} {cell:3} {name:11} "
                         f"{r['ops_s']:7.0f} pairs/s  p50 {r['p50_ms']:.3f} ms  "
                         f"p99 {r['p99_ms']:.3f} ms")  # fmt: skip
-                await _vacuum(pg_url)
+                for attempt in range(20):  # a shared server may be out of connections
+                    try:
+                        await _vacuum(pg_url)
+                        break
+                    except asyncpg.TooManyConnectionsError:
+                        if attempt == 19:
+                            raise
+                        await asyncio.sleep(1)
         driver = batched._driver
         assert isinstance(driver, BatchingPostgresDriver)
         per_statement = {kind: s.per_statement for kind, s in driver.stats.items()}
@@ -242,12 +249,27 @@ def http_level(pg_url: str, *, rounds: int, duration: int, connections: int) -> 
                     )  # fmt: skip
                     cells.setdefault((name, variant), []).append(r)
                     if variant != "memory":
-                        asyncio.run(settle_postgres(pg_url))
+                        _retry(lambda: asyncio.run(settle_postgres(pg_url)))
                     log(f"http round {rnd + 1}/{rounds} {name:9} {variant:10} "
                         f"{r['rps']:7.0f} req/s  p50 {r['p50_us'] / 1000:6.2f} ms  "
                         f"p99 {r['p99_us'] / 1000:6.2f} ms")  # fmt: skip
     p50_c1 = {v: [r["p50_us"] / 1000 for r in cells[("fresh-c1", v)]] for v in HTTP_VARIANTS[1:]}
     return {"table": summarize(cells), "p50_c1_rounds_ms": p50_c1}
+
+
+def _retry(step: Callable[[], None], attempts: int = 20) -> None:
+    """Run an untimed step again while Postgres is out of connections (a shared server)."""
+    import asyncpg
+
+    for attempt in range(attempts):
+        try:
+            step()
+            return
+        except asyncpg.TooManyConnectionsError:
+            if attempt == attempts - 1:
+                raise
+            log("Postgres has no connection to spare; settling again in 1 s")
+            time.sleep(1)
 
 
 def report_http(http: dict[str, Any], connections: int) -> list[tuple[str, bool, str]]:
@@ -280,6 +302,10 @@ def report_http(http: dict[str, Any], connections: int) -> list[tuple[str, bool,
         statistics.median(a / b for a, b in zip(p50["pg_batched"], p50["floor_pg"], strict=True))
     )
     checks.append(("http: Postgres p50 at 1 connection <= 1.1x floor's", r <= 1.1, f"{r:.2f}x"))
+    # Not one of the issue's targets: batching itself adds nothing one at a time.
+    r = float(statistics.median(a / b for a, b in zip(p50["pg_batched"], p50["pg"], strict=True)))
+    checks.append(("http: batched p50 at 1 connection <= 1.1x per-request's", r <= 1.1,
+                   f"{r:.2f}x"))  # fmt: skip
     return checks
 
 

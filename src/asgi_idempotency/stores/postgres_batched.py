@@ -27,10 +27,13 @@ What this changes against one statement per request:
   once (token-fenced), so the key is free for a retry; the request never ran its
   handler. If the statement's answer itself was lost (the connection broke), the row
   stays in progress until its lease ends, as without batching.
-- **A statement that waits on a row lock holds up its batch and the one queued behind
-  it**, up to ``command_timeout``, and they fail together (503). Row locks outlive a
-  statement only in a transaction: a transactional request's uncommitted claim of the
-  same scoped key, or the application's own transaction on the table.
+- **A statement that waits on a row lock holds up its whole batch**, and the requests
+  queued behind it, up to ``command_timeout``; then the batch fails together (503)
+  and the queue goes on. Row locks outlive a statement only in a transaction: a
+  transactional request's uncommitted claim of the same scoped key, or the
+  application's own transaction on the table. This is why batching is a switch.
+- **Deadlocks** between batches of claims cannot happen: rows are inserted in key
+  order, in every process alike.
 """
 
 from __future__ import annotations
