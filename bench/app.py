@@ -4,6 +4,7 @@
 
 - ``none``: no guard (the ceiling);
 - ``pg`` / ``sqlite`` / ``memory``: :class:`IdempotencyMiddleware` on that store;
+- ``pg_batched``: the same on ``SQLStore(batching=True)``;
 - ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
   one statement for a replay, 409 or 422, two for a first request, nothing else;
 - ``floor_sqlite``: the same guard on one raw aiosqlite connection;
@@ -133,8 +134,10 @@ class _PgBackend:
         self.pool: Any = None
 
     async def start(self) -> None:
-        # The same number of connections as SQLStore's default pool (pool_size=10).
-        self.pool = await floor_pool(self.url, int(os.environ.get("BENCH_POOL_SIZE", "10")))
+        # The same number of connections as SQLStore's default pool (pool_size=10), or
+        # BENCH_FLOOR_POOL_SIZE (bench.batching: one per load connection).
+        size = os.environ.get("BENCH_FLOOR_POOL_SIZE") or os.environ.get("BENCH_POOL_SIZE", "10")
+        self.pool = await floor_pool(self.url, int(size))
 
     async def stop(self) -> None:
         await self.pool.close()
@@ -286,17 +289,17 @@ def create() -> Starlette:
     closers: list[Callable[[], Awaitable[None]]] = []
     starters: list[Callable[[], Awaitable[None]]] = []
 
-    if variant in ("pg", "sqlite", "memory"):
+    if variant in ("pg", "pg_batched", "sqlite", "memory"):
         from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
         from asgi_idempotency.stores.base import Store
 
         store: Store
         if variant == "memory":
             store = MemoryStore()
-        elif variant == "pg":
+        elif variant in ("pg", "pg_batched"):
             size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
             url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)
-            store = SQLStore(url, pool_size=size)
+            store = SQLStore(url, pool_size=size, batching=variant == "pg_batched")
         else:
             store = SQLStore(f"sqlite+aiosqlite:///{sqlite_path}")
         closers.append(store.close)

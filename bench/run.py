@@ -31,16 +31,21 @@ from bench.harness import HERE, log, prepare_postgres, run_wrk, start_server
 
 RESULTS = HERE / "results"
 
-VARIANTS = ["none", "memory", "floor_memory", "pg", "floor_pg", "sqlite", "floor_sqlite"]
+VARIANTS = [
+    "none", "memory", "floor_memory", "pg", "pg_batched", "floor_pg", "sqlite", "floor_sqlite",
+]  # fmt: skip
 WORKLOADS = ["fresh", "replay", "mix"]
 # The ÷floor column. The memory store's target is against no guard; its floor (the same
 # minimal guard on a dict) shows how much of the gap any buffering guard pays.
-FLOOR = {"pg": "floor_pg", "sqlite": "floor_sqlite", "memory": "floor_memory"}
+FLOOR = {
+    "pg": "floor_pg", "pg_batched": "floor_pg", "sqlite": "floor_sqlite", "memory": "floor_memory",
+}  # fmt: skip
 LABELS = {
     "none": "no guard",
     "memory": "ours, memory",
     "floor_memory": "floor, dict",
     "pg": "ours, Postgres",
+    "pg_batched": "ours, PG batched",
     "floor_pg": "floor, asyncpg",
     "sqlite": "ours, SQLite",
     "floor_sqlite": "floor, aiosqlite",
@@ -209,6 +214,16 @@ def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
     for workload in WORKLOADS:
         r = ratio(workload, "sqlite", "floor_sqlite")
         checks.append((f"SQLite {workload}: req/s >= 0.9x aiosqlite floor", r >= 0.9, f"{r:.2f}x"))
+    # Issue #14, the batched Postgres store (its c1 p50 target: python -m bench.batching).
+    r = ratio("fresh", "pg_batched", "memory")
+    checks.append(("PG batched fresh: req/s >= 0.9x ours on memory", r >= 0.9, f"{r:.2f}x"))
+    r = ratio("fresh", "pg_batched", "floor_pg")
+    checks.append(("PG batched fresh: req/s >= 1.3x floor", r >= 1.3, f"{r:.2f}x"))
+    r = ratio("replay", "pg_batched", "floor_pg")
+    checks.append(("PG batched replay: req/s >= 1.0x floor", r >= 1.0, f"{r:.2f}x"))
+    for workload in WORKLOADS:
+        r = ratio(workload, "pg_batched", "floor_pg", "p99_rounds_ms")
+        checks.append((f"PG batched {workload}: p99 <= floor's", r <= 1.0, f"{r:.2f}x"))
     for workload in WORKLOADS:
         r = ratio(workload, "memory", "none")
         checks.append((f"memory {workload}: req/s >= 0.8x no guard", r >= 0.8, f"{r:.2f}x"))
@@ -255,7 +270,9 @@ def chart(table: dict[str, Any], path: Path, stamp: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 3.4), dpi=80)
     width = 0.8 / len(VARIANTS)
-    colors = ["#888888", "#2ca02c", "#98df8a", "#1f77b4", "#aec7e8", "#d62728", "#ff9896"]
+    colors = [
+        "#888888", "#2ca02c", "#98df8a", "#1f77b4", "#17becf", "#aec7e8", "#d62728", "#ff9896",
+    ]  # fmt: skip
     middle = (len(VARIANTS) - 1) / 2
     for i, variant in enumerate(VARIANTS):
         xs = [w + (i - middle) * width for w in range(len(WORKLOADS))]
@@ -316,7 +333,12 @@ def main() -> None:
     admin_url = args.pg.rsplit("/", 1)[0] + "/postgres"
     asyncio.run(prepare_postgres(admin_url, args.pg))
     tmp = Path(tempfile.mkdtemp(prefix="bench_idem_"))
-    env = {"BENCH_PG_URL": args.pg, "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1"}
+    env = {
+        "BENCH_PG_URL": args.pg,
+        "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1",
+        # The fair floor (issue #14): one pool connection per load connection.
+        "BENCH_FLOOR_POOL_SIZE": str(args.connections),
+    }
     servers: dict[str, UvicornProcess] = {}
     with contextlib.ExitStack() as stack:
         for variant in variants:
@@ -349,7 +371,7 @@ def main() -> None:
                         duration=args.duration, connections=args.connections, threads=args.threads,
                     )  # fmt: skip
                     cells.setdefault((workload, variant), []).append(result)
-                    if variant in ("pg", "floor_pg"):
+                    if variant in ("pg", "pg_batched", "floor_pg"):
                         asyncio.run(settle_postgres(args.pg))
                     log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "

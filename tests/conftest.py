@@ -154,7 +154,13 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+STORE_KINDS = [
+    "memory",
+    "sqlite",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    # The same Postgres store with natural batching (SQLStore(batching=True)).
+    pytest.param("postgres_batched", marks=pytest.mark.postgres),
+]
 
 
 @asynccontextmanager
@@ -163,8 +169,9 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
     if kind == "memory":
         yield MemoryStore()
         return
-    url = request.getfixturevalue("pg_url" if kind == "postgres" else "sqlite_url")
-    async with emptied(SQLStore(url)) as sql:
+    postgres = kind in ("postgres", "postgres_batched")
+    url = request.getfixturevalue("pg_url" if postgres else "sqlite_url")
+    async with emptied(SQLStore(url, batching=kind == "postgres_batched")) as sql:
         yield sql
 
 

@@ -1,4 +1,8 @@
-"""The Postgres hot path's own connection keeping: bounded, fair, leak-free, and shared."""
+"""The Postgres hot path's own connection keeping: bounded, fair, leak-free, and shared.
+
+These are the one-statement-per-request driver's (``batching=False``, whatever
+``IDEMPOTENCY_PG_BATCHING`` says); the batched driver runs on top of it.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
 @pytest.fixture
 async def small(pg_url: str) -> AsyncIterator[SQLStore]:
-    async with emptied(SQLStore(pg_url, pool_size=2, command_timeout=5)) as store:
+    async with emptied(SQLStore(pg_url, pool_size=2, command_timeout=5, batching=False)) as store:
         yield store
 
 
@@ -67,7 +71,7 @@ async def test_the_rest_of_the_pool_stays_free_for_other_work(small: SQLStore) -
 
 
 async def test_a_wait_for_a_busy_pool_ends_at_the_timeout_and_leaks_nothing(pg_url: str) -> None:
-    store = SQLStore(pg_url, pool_size=1, command_timeout=1)
+    store = SQLStore(pg_url, pool_size=1, command_timeout=1, batching=False)
     await truncate(store)
     blocked_key = f"b{0:063d}"
     try:

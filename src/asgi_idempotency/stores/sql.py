@@ -16,6 +16,7 @@ Core on an autocommit connection. Driver and pool errors become :class:`StoreErr
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
@@ -30,6 +31,7 @@ from ..errors import SchemaMissing, StoreError
 from ..urls import async_url, redact
 from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
+from .postgres_batched import BatchingPostgresDriver
 from .schema import records
 from .sqlerrors import DRIVER_ERRORS, translate
 from .sqlite import set_pragmas, sqlite_driver
@@ -90,6 +92,11 @@ class SQLStore:
             work. No overflow: a statement waits for a free connection, up to
             ``command_timeout``, rather than open one. With an engine of your own the
             hot path keeps half its pool.
+        batching: on Postgres, send the claims, completions, releases and renewals
+            that queue while a statement of their kind is in flight as one statement
+            (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
+            ``None`` (the default) reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else
+            off). Ignored on SQLite.
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class SQLStore:
         *,
         command_timeout: float = 5.0,
         pool_size: int = 10,
+        batching: bool | None = None,
     ) -> None:
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
@@ -115,11 +123,20 @@ class SQLStore:
         if self.dialect == "postgresql" and engine.dialect.driver != "asyncpg":
             raise ValueError(f"SQLStore needs postgresql+asyncpg, not {engine.dialect.driver}")
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._driver: _Driver = (
-            PostgresDriver(engine, limit=_hot_path_limit(engine), timeout=command_timeout)
-            if self.dialect == "postgresql"
-            else sqlite_driver(engine, timeout=command_timeout)
-        )
+        if batching is None:
+            batching = os.environ.get("IDEMPOTENCY_PG_BATCHING", "") == "1"
+        self.batching = batching and self.dialect == "postgresql"
+        self._driver: _Driver
+        if self.dialect != "postgresql":
+            self._driver = sqlite_driver(engine, timeout=command_timeout)
+        elif self.batching:
+            self._driver = BatchingPostgresDriver(
+                engine, limit=_hot_path_limit(engine), timeout=command_timeout
+            )
+        else:
+            self._driver = PostgresDriver(
+                engine, limit=_hot_path_limit(engine), timeout=command_timeout
+            )
         self._time: Callable[[datetime], Any] = (
             _aware if self.dialect == "postgresql" else _sqlite_aware
         )

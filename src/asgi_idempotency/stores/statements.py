@@ -21,6 +21,7 @@ from sqlalchemy import (
     Delete,
     Dialect,
     Select,
+    String,
     bindparam,
     delete,
     exists,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     true,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as _asyncpg_dialect
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -45,6 +47,7 @@ __all__ = [
     "CLAIM_LOCKED",
     "COMPLETE",
     "PG",
+    "PG_BATCHED",
     "RECORD_COLUMNS",
     "REPLACE_LOCKED",
     "SQLITE",
@@ -63,6 +66,7 @@ __all__ = [
 
 _t = records
 _TIME = UTCDateTime()
+_TEXT = String()
 
 _IN_PROGRESS: ColumnClause[Any] = literal_column(f"'{RecordStatus.IN_PROGRESS.value}'")
 _COMPLETED: ColumnClause[Any] = literal_column(f"'{RecordStatus.COMPLETED.value}'")
@@ -292,3 +296,114 @@ def to_record(key: str, row: Sequence[Any]) -> Record:
         expires_at=as_time(row[5]),
         response=response,
     )
+
+
+# Batched hot path (Postgres, ``SQLStore(batching=True)``): one statement carries many
+# requests, as parallel arrays unnested into rows. Each request's answer is its own row
+# of the result, matched by key (a statement never holds one key twice:
+# ``postgres_batched.py``).
+
+
+def _unnest(name: str, *columns: tuple[str, Any]) -> Any:
+    """``unnest($1::t1[], $2::t2[], ...) AS name(c1, c2, ...)``: one row per request.
+
+    Text arrays are unbounded (``VARCHAR[]``, not ``VARCHAR(64)[]``): a cast to a
+    bounded type truncates silently, where the column itself refuses a long value.
+    """
+    arrays = [bindparam(f"{name}_{col}", type_=ARRAY(typ)) for col, typ in columns]
+    return (
+        func.unnest(*arrays)
+        .table_valued(*(col for col, _ in columns))
+        .render_derived(name=name, with_types=False)
+    )
+
+
+def _pg_claim_many() -> Select[Any]:
+    """Insert every row that is free, and return the row in the way of every other.
+
+    Rows are inserted in key order, so two batches (of this process or another) that
+    share keys take their locks in the same order and cannot deadlock. As in the
+    one-row claim, the row in the way is read in the statement's snapshot: a row
+    committed by a racing claim after the statement began reads as NULL (the caller
+    asks again).
+    """
+    v = select(
+        _unnest(
+            "v",
+            ("key", _TEXT),
+            ("request_hash", _TEXT),
+            ("token", _TEXT),
+            ("created_at", _TIME),
+            ("locked_until", _TIME),
+            ("expires_at", _TIME),
+        )
+    ).cte("v")
+    ins = (
+        pg_insert(_t)
+        .from_select(
+            ["key", "request_hash", "status", "token", "created_at", "locked_until", "expires_at"],
+            select(v.c.key, v.c.request_hash, _IN_PROGRESS, v.c.token)
+            .add_columns(v.c.created_at, v.c.locked_until, v.c.expires_at)
+            .order_by(v.c.key),
+        )
+        .on_conflict_do_nothing(index_elements=[_t.c.key])
+        .returning(_t.c.key)
+        .cte("ins")
+    )
+    return select(v.c.key, ins.c.key.is_not(None).label("inserted"), *RECORD_COLUMNS).select_from(
+        v.outerjoin(ins, ins.c.key == v.c.key).outerjoin(
+            _t, (_t.c.key == v.c.key) & ins.c.key.is_(None)
+        )
+    )
+
+
+def _fenced_many(name: str, *extra: tuple[str, Any]) -> Any:
+    return _unnest(name, ("key", _TEXT), ("token", _TEXT), *extra)
+
+
+_u_complete = _fenced_many(
+    "u",
+    ("expires_at", _TIME),
+    ("response_status", _t.c.response_status.type),
+    ("response_headers", _t.c.response_headers.type),
+    ("response_body", _t.c.response_body.type),
+)
+_u_release = _fenced_many("u")
+_u_renew = _fenced_many("u", ("locked_until", _TIME))
+
+
+def _owned_by(u: Any) -> Any:
+    """Token-fenced per row: only the claim that owns a row changes it."""
+    return (_t.c.key == u.c.key) & (_t.c.token == u.c.token) & (_t.c.status == _IN_PROGRESS)
+
+
+_COMPLETE_MANY = (
+    update(_t)
+    .where(_owned_by(_u_complete))
+    .values(
+        status=_COMPLETED,
+        expires_at=_u_complete.c.expires_at,
+        response_status=_u_complete.c.response_status,
+        response_headers=_u_complete.c.response_headers,
+        response_body=_u_complete.c.response_body,
+    )
+    .returning(_t.c.key, _t.c.token)
+)
+_RELEASE_MANY = delete(_t).where(_owned_by(_u_release)).returning(_t.c.key, _t.c.token)
+_RENEW_MANY = (
+    update(_t)
+    .where(_owned_by(_u_renew))
+    .values(locked_until=_u_renew.c.locked_until)
+    .returning(_t.c.key, _t.c.token)
+)
+
+# name -> compiled statement; parameters are arrays named "<alias>_<column>".
+PG_BATCHED = {
+    name: Compiled(stmt, _asyncpg_dialect())  # type: ignore[no-untyped-call]  # as PG above
+    for name, stmt in {
+        "claim": _pg_claim_many(),
+        "complete": _COMPLETE_MANY,
+        "release": _RELEASE_MANY,
+        "renew": _RENEW_MANY,
+    }.items()
+}
