@@ -254,18 +254,36 @@ async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
     later = now + timedelta(hours=1)
     store = RedisStore(primary.url, wait_replicas=1, wait_timeout=0.3)
     lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
+    name = "idem:{" + "a" * 64 + "}"
     try:
-        for s, key in ((store, "a" * 64), (lonely, "b" * 64)):
-            await s.client.script_flush()  # the pipelined EVALSHA reloads too
-            assert await s.insert(NewClaim(key, "h", "t", now, now, later)) is None
+        await store.client.script_flush()  # the pipelined EVALSHA reloads too
+        assert await store.insert(NewClaim("a" * 64, "h", "t", now, now, later)) is None
+        # Acknowledged by the replica before the call returned: it is there now.
+        assert replica.cli("HGET", name, "s").strip() == "in_progress"
         assert await store.complete("a" * 64, "t", RESPONSE, expires_at=later)
-        # Acknowledged by the replica before complete returned: it is there now.
-        assert replica.cli("HGET", "idem:{" + "a" * 64 + "}", "s").strip() == "completed"
+        assert replica.cli("HGET", name, "s").strip() == "completed"
         with pytest.raises(StoreError, match="WAIT: 1 of 2 replicas"):
-            await lonely.complete("b" * 64, "t", RESPONSE, expires_at=later)
+            await lonely.insert(NewClaim("b" * 64, "h", "t", now, now, later))
     finally:
         await store.close()
         await lonely.close()
+
+
+async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
+    redis_cluster_url: str,
+) -> None:
+    store = RedisStore(redis_cluster_url, wait_replicas=1, wait_timeout=2)
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    try:
+        await store.client.flushall()
+        for k in ("1", "2", "3", "4", "5", "6"):  # spread over the primaries
+            key = k * 64
+            assert await store.insert(NewClaim(key, "h", "t", now, now, later)) is None
+            assert await store.complete(key, "t", RESPONSE, expires_at=later)
+            assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
+    finally:
+        await store.close()
 
 
 # Construction.

@@ -228,12 +228,14 @@ class RedisStore:
             the store gives up and the request gets 503 (default 5). Applies when the
             store builds the client.
         key_prefix: the records' key prefix (default ``"idem"``: keys ``idem:{digest}``).
-        wait_replicas: after each completion, ``WAIT`` until this many replicas have
-            the record (default 0: no wait). Sent with the completion on the same
-            connection, so still one round trip, plus the replication delay. If fewer
-            acknowledge within ``wait_timeout`` the completion raises
-            :class:`StoreError` (the response is still sent; the middleware logs it).
-            This narrows, but does not close, what a failover can lose (README).
+        wait_replicas: after every write (claim, take-over, completion, release,
+            renewal), ``WAIT`` until this many replicas have it (default 0: no wait).
+            Sent in one pipeline with the script, on its connection, so still one round
+            trip, plus the replication delay. If fewer acknowledge within
+            ``wait_timeout`` the operation raises :class:`StoreError`: a claim gets 503
+            (its key stays claimed until the lease ends), a completion still sends the
+            response (the middleware logs the error). A replica promoted after a
+            failover then has every acknowledged claim and completion (README).
         wait_timeout: seconds ``WAIT`` may block (default 1).
 
     Raises:
@@ -284,7 +286,37 @@ class RedisStore:
         return name.decode()[len(self._prefix) : -1]
 
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        if self._wait:
+            return await _call(self._run_and_wait(script, key, args))
         return await _call(script(keys=[self._key(key)], args=args))
+
+    async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        # WAIT counts the replicas that have this connection's writes, so it must go on
+        # the connection that ran the script: both in one pipeline, one round trip.
+        rkey = self._key(key)
+        for attempt in (1, 2):
+            pipe: Any = self.client.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
+            if isinstance(self.client, RedisCluster):
+                node = self.client.get_node_from_key(rkey)
+                pipe.execute_command("WAIT", self._wait, self._wait_ms, target_nodes=node)
+            else:
+                pipe.execute_command("WAIT", self._wait, self._wait_ms)
+            try:
+                result, acked = await pipe.execute()
+            except rexc.NoScriptError:
+                if attempt == 2:
+                    raise
+                # A pipelined EVALSHA does not reload: load (every primary) and resend.
+                script.sha = await self.client.script_load(script.script)
+                continue
+            if int(acked) < self._wait:
+                raise StoreError(
+                    f"WAIT: {acked} of {self._wait} replicas acknowledged the write "
+                    f"within {self._wait_ms} ms"
+                )
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # The hot path: one script call each.
 
@@ -311,38 +343,7 @@ class RedisStore:
     ) -> bool:
         args = [token, response.status, encode_headers(response.headers), response.body,
                 _us(expires_at)]  # fmt: skip
-        if not self._wait:
-            return bool(await self._run(self._complete, key, args))
-        return await _call(self._complete_and_wait(key, args))
-
-    async def _complete_and_wait(self, key: str, args: list[Any]) -> bool:
-        # WAIT counts the replicas that have this connection's writes, so it must go on
-        # the connection that ran the script: both in one pipeline, one round trip.
-        script, rkey = self._complete, self._key(key)
-        for attempt in (1, 2):
-            pipe: Any = self.client.pipeline(transaction=False)
-            pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
-            if isinstance(self.client, RedisCluster):
-                pipe.execute_command(
-                    "WAIT", self._wait, self._wait_ms,
-                    target_nodes=self.client.get_node_from_key(rkey),
-                )  # fmt: skip
-            else:
-                pipe.execute_command("WAIT", self._wait, self._wait_ms)
-            try:
-                owned, acked = await pipe.execute()
-            except rexc.NoScriptError:
-                if attempt == 2:
-                    raise
-                script.sha = await self.client.script_load(script.script)
-                continue
-            if int(acked) < self._wait:
-                raise StoreError(
-                    f"WAIT: {acked} of {self._wait} replicas acknowledged the completion "
-                    f"within {self._wait_ms} ms"
-                )
-            return bool(owned)
-        raise AssertionError("unreachable")  # pragma: no cover
+        return bool(await self._run(self._complete, key, args))
 
     async def release(self, key: str, token: str) -> bool:
         return bool(await self._run(self._release, key, [token]))
