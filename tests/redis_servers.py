@@ -144,11 +144,14 @@ class RedisServer:
         return redis_cli(self.port, *args)
 
 
-def start_server(directory: Path) -> RedisServer:
-    """A fresh server on a free port (a few tries: another process may take the port)."""
+def start_server(directory: Path, *extra: str) -> RedisServer:
+    """A fresh server on a free port (a few tries: another process may take the port).
+
+    ``extra`` arguments come last, so ``"--appendonly", "yes"`` overrides the default.
+    """
     last: Exception | None = None
     for _ in range(3):
-        server = RedisServer(_free_port(), directory)
+        server = RedisServer(_free_port(), directory, extra)
         try:
             server.start()
             return server
@@ -183,6 +186,18 @@ class RedisCluster:
                 roles[node.port] = redis_cli(node.port, "ROLE").split()[0]
         return roles
 
+    def wait_replicas_linked(self, *, within: float = 30) -> None:
+        """Until every replica has synced with its primary (it can take over only then)."""
+        deadline = time.monotonic() + within
+        while True:
+            infos = [redis_cli(n.port, "INFO", "replication") for n in self.nodes]
+            replicas = [i for i in infos if "role:slave" in i]
+            if len(replicas) == 3 and all("master_link_status:up" in i for i in replicas):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster's replicas did not sync with their primaries")
+            time.sleep(0.1)
+
     def wait_ok(self, *, within: float = 30) -> None:
         deadline = time.monotonic() + within
         while True:
@@ -207,8 +222,10 @@ def start_cluster(directory: Path) -> RedisCluster:
             node = RedisServer(
                 _free_port(bus=True),
                 directory / f"node{i}",
+                # No 5 s wait before a replica's first sync: a replica that never synced
+                # would refuse to take over from a dead primary.
                 extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                       "--cluster-node-timeout", "1000"),
+                       "--cluster-node-timeout", "1000", "--repl-diskless-sync-delay", "0"),
             )  # fmt: skip
             node.start()
             nodes.append(node)
@@ -220,6 +237,7 @@ def start_cluster(directory: Path) -> RedisCluster:
         )  # fmt: skip
         cluster = RedisCluster(nodes)
         cluster.wait_ok()
+        cluster.wait_replicas_linked()
         return cluster
     except BaseException:
         for node in nodes:

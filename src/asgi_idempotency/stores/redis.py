@@ -39,6 +39,8 @@ Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -266,6 +268,8 @@ class RedisStore:
         self._prefix = f"{key_prefix}:{{"
         self._wait = wait_replicas
         self._wait_ms = max(1, round(wait_timeout * 1000))
+        self._node_clients: dict[str, aioredis.Redis] = {}
+        self._refreshing = asyncio.Lock()
         register = self.client.register_script
         self._insert = register(_INSERT)
         self._replace = register(_REPLACE)
@@ -291,32 +295,59 @@ class RedisStore:
         return await _call(script(keys=[self._key(key)], args=args))
 
     async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
-        # WAIT counts the replicas that have this connection's writes, so it must go on
-        # the connection that ran the script: both in one pipeline, one round trip.
-        rkey = self._key(key)
-        for attempt in (1, 2):
-            pipe: Any = self.client.pipeline(transaction=False)
-            pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
-            if isinstance(self.client, RedisCluster):
-                node = self.client.get_node_from_key(rkey)
-                pipe.execute_command("WAIT", self._wait, self._wait_ms, target_nodes=node)
-            else:
+        # WAIT counts the replicas that have *this connection's* writes, so it must go on
+        # the connection that ran the script: both in one pipeline, one round trip. On a
+        # cluster that is a plain pipeline to the key's primary: a cluster pipeline
+        # re-sends a redirected or failed command on its own, and the WAIT would then
+        # count another connection's writes.
+        rkey, cluster = self._key(key), self.client
+        target: aioredis.Redis
+        if isinstance(cluster, RedisCluster):
+            await cluster.initialize()  # fills the slot map on first use; else a no-op
+            target = self._node_client(cluster.get_node_from_key(rkey))
+        else:
+            target = cluster
+        try:
+            for attempt in (1, 2):
+                pipe = target.pipeline(transaction=False)
+                pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
                 pipe.execute_command("WAIT", self._wait, self._wait_ms)
-            try:
-                result, acked = await pipe.execute()
-            except rexc.NoScriptError:
-                if attempt == 2:
-                    raise
-                # A pipelined EVALSHA does not reload: load (every primary) and resend.
-                script.sha = await self.client.script_load(script.script)
-                continue
-            if int(acked) < self._wait:
-                raise StoreError(
-                    f"WAIT: {acked} of {self._wait} replicas acknowledged the write "
-                    f"within {self._wait_ms} ms"
-                )
-            return result
+                try:
+                    result, acked = await pipe.execute()
+                except rexc.NoScriptError:
+                    if attempt == 2:
+                        raise
+                    script.sha = await target.script_load(script.script)
+                    continue
+                if int(acked) < self._wait:
+                    raise StoreError(
+                        f"WAIT: {acked} of {self._wait} replicas acknowledged the write "
+                        f"within {self._wait_ms} ms"
+                    )
+                return result
+        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError):
+            if isinstance(cluster, RedisCluster):
+                await self._refresh_slots(cluster)  # MOVED, a dead node: the map is stale
+            raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _node_client(self, node: Any) -> aioredis.Redis:
+        """A plain client of one cluster node, built from that node's own settings."""
+        client = self._node_clients.get(node.name)
+        if client is None:
+            pool = aioredis.ConnectionPool(
+                connection_class=node.connection_class, **node.connection_kwargs
+            )
+            client = self._node_clients[node.name] = aioredis.Redis(connection_pool=pool)
+        return client
+
+    async def _refresh_slots(self, cluster: RedisCluster) -> None:
+        if self._refreshing.locked():
+            return  # another request is already asking
+        # Mid-failover it may fail too: the next request asks again.
+        async with self._refreshing, contextlib.AsyncExitStack() as stack:
+            stack.enter_context(contextlib.suppress(*DRIVER_ERRORS))
+            await cluster.nodes_manager.initialize()
 
     # The hot path: one script call each.
 
@@ -449,6 +480,9 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
+        for node_client in self._node_clients.values():
+            await node_client.aclose(close_connection_pool=True)
+        self._node_clients.clear()
         if self._owns_client:
             await self.client.aclose()
 
