@@ -48,6 +48,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
+from ..urls import REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
 from .statements import decode_headers, encode_headers
 
@@ -61,12 +62,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by test_public_api in a subprocess
     raise ImportError("RedisStore needs redis-py: pip install 'asgi-idempotency[redis]'") from exc
 
-__all__ = ["CLUSTER_SCHEMES", "DRIVER_ERRORS", "RedisStore", "translate"]
-
-#: URL schemes that build a :class:`~redis.asyncio.cluster.RedisCluster` (any one node
-#: of the cluster as ``host:port``; redis-py discovers the rest).
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-_SCHEMES = ("redis", "rediss", *CLUSTER_SCHEMES)
+__all__ = ["DRIVER_ERRORS", "RedisStore", "translate"]
 
 # Everything redis-py and the network raise for a failed command. RedisError covers
 # ConnectionError, TimeoutError and every ResponseError (READONLY, CLUSTERDOWN,
@@ -208,12 +204,12 @@ def _split_url(url: str) -> tuple[str, bool]:
     """(the URL redis-py reads, whether it names a cluster)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
+    if scheme not in REDIS_SCHEMES:
         raise ValueError(
             f"unsupported Redis URL scheme {parts.scheme!r}: use redis://host:port/db, "
             "rediss://… (TLS), or redis+cluster://host:port (any node of a cluster)"
         )
-    cluster = scheme in CLUSTER_SCHEMES
+    cluster = scheme in REDIS_CLUSTER_SCHEMES
     return urlunsplit(parts._replace(scheme=scheme.partition("+")[0])), cluster
 
 
