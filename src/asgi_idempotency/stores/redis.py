@@ -233,7 +233,8 @@ class RedisStore:
             ``wait_timeout`` the operation raises :class:`StoreError`: a claim gets 503
             (its key stays claimed until the lease ends), a completion still sends the
             response (the middleware logs the error). A replica promoted after a
-            failover then has every acknowledged claim and completion (README).
+            failover then has every acknowledged claim and completion; see the
+            README's Redis and Redis Cluster section.
         wait_timeout: seconds ``WAIT`` may block (default 1).
 
     Raises:
