@@ -92,6 +92,38 @@ async def test_a_storm_across_four_uvicorn_workers_runs_the_handler_once(
     assert all(r.json()["refund_id"] == refund_id for r in storm if r.status_code == 201)
 
 
+@pytest.mark.slow
+async def test_the_incident_on_redis_a_timed_out_client_gets_409_then_the_original_refund(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The README's incident across two app processes on one Redis: the client gives up
+    at 0.4 s on a 1.5 s refund and retries elsewhere; the refund happens once."""
+    done = tmp_path / "effects.log"
+    await (await redis_store(redis_url)).close()  # flushed
+    path, key = "/orders/o-7/refunds", _key("refund-o-7")
+    body = {"amount": 4500, "delay": 1.5}
+    env = env_for(redis_url, done)
+    with (
+        run_uvicorn(APP, env=env, log_dir=tmp_path) as a,
+        run_uvicorn(APP, env=env, log_dir=tmp_path) as b,
+    ):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=0.4)) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(a.base_url + path, json=body, headers=key)
+            during = await c.post(b.base_url + path, json=body, headers=key)
+            assert during.status_code == 409
+            assert int(during.headers["retry-after"]) >= 1
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                late = await c.post(b.base_url + path, json=body, headers=key)
+                if late.status_code != 409:
+                    break
+    assert late.status_code == 201
+    assert late.headers["idempotent-replayed"] == "true"
+    [(order, refund_id, _)] = effects(done)
+    assert (order, late.json()["refund_id"]) == ("o-7", refund_id)
+
+
 async def _record_status(store: RedisStore) -> list[Any]:
     names = [n async for n in store.client.scan_iter(match="idem:*")]
     return [await store.client.hget(n, "s") for n in names]

@@ -191,6 +191,33 @@ async def test_find_treats_glob_characters_as_text(rstore: RedisStore) -> None:
     assert await rstore.find("a?") == []
 
 
+async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_own(
+    rstore: RedisStore,
+) -> None:
+    """redis-py resends a command after a dropped connection; the first may have landed.
+
+    The scripts recognise their own token (unique to one claim), so a resent claim is
+    still the caller's claim, not a 409 against itself, and a resent swap or completion
+    still succeeded.
+    """
+    now = datetime.now(UTC)
+    lease, ttl = timedelta(seconds=30), timedelta(hours=1)
+    new = NewClaim("d" * 64, "h", "t1", now, now + lease, now + ttl)
+    assert await rstore.insert(new) is None
+    assert await rstore.insert(new) is None  # the resend
+    later = now + 2 * lease
+    current = await rstore.get("d" * 64)
+    assert current is not None
+    taker = NewClaim("d" * 64, "h", "t2", later, later + lease, later + ttl)
+    assert await rstore.replace(current, taker)
+    assert await rstore.replace(current, taker)  # the resend
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    # A stranger's token still gets nothing, whatever the state.
+    assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, later, later + ttl))
+    assert not await rstore.complete("d" * 64, "t1", RESPONSE, expires_at=later + ttl)
+
+
 # Errors: all of them StoreError, so the middleware's 503 path applies.
 
 
@@ -208,6 +235,21 @@ async def test_an_unreachable_server_is_a_store_error_and_a_503(
         assert r.status_code == 503
         assert r.headers["retry-after"]
         assert app.calls == {}
+    finally:
+        await store.close()
+
+
+async def test_fail_open_runs_the_handler_unguarded_when_redis_is_down(
+    refused_url: str, tiny: Any
+) -> None:
+    port = urlsplit(refused_url).port
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", command_timeout=1)
+    try:
+        app = tiny(store, fail_open=True)
+        async with app.client() as c:
+            r = await c.post("/pay", json={}, headers={"Idempotency-Key": "open"})
+        assert r.status_code == 201
+        assert app.calls == {"pay": 1}
     finally:
         await store.close()
 
