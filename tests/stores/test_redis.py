@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.stores.base import NewClaim, RecordStatus
+from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
 from asgi_idempotency.stores.redis import RedisStore
 from tests.conftest import redis_store
 from tests.redis_servers import RedisServer, redis_cli, start_server
@@ -189,6 +189,11 @@ async def test_find_treats_glob_characters_as_text(rstore: RedisStore) -> None:
     await rstore.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
     assert await rstore.find("*") == []
     assert await rstore.find("a?") == []
+    odd = RedisStore(rstore.client, key_prefix="my*app[1]")  # the prefix is text too
+    await odd.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
+    assert [r.key for r in await odd.find("ab")] == ["ab" + "0" * 62]
+    assert [b.count for b in await odd.buckets(now=now)] == [1]
+    assert [b.count for b in await rstore.buckets(now=now)] == [1]  # each its own records
 
 
 async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_own(
@@ -332,6 +337,7 @@ async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
 
 
 def test_urls_name_one_server_or_a_cluster() -> None:
+    assert isinstance(RedisStore("redis://127.0.0.1:1/0"), Store)
     assert isinstance(RedisStore("redis://127.0.0.1:1/0").client, aioredis.Redis)
     assert isinstance(RedisStore("rediss://127.0.0.1:1/0").client, aioredis.Redis)
     assert isinstance(RedisStore("redis+cluster://127.0.0.1:1").client, RedisCluster)

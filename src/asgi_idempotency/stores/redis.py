@@ -263,6 +263,7 @@ class RedisStore:
         if self._encoder().decode_responses:
             raise ValueError("RedisStore needs a client with decode_responses=False")
         self._prefix = f"{key_prefix}:{{"
+        self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas
         self._wait_ms = max(1, round(wait_timeout * 1000))
         self._node_clients: dict[str, aioredis.Redis] = {}
@@ -412,7 +413,7 @@ class RedisStore:
 
     async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
         names: list[bytes] = []
-        async for name in self._scan(f"{self._prefix}{_escape_glob(prefix)}*"):
+        async for name in self._scan(f"{self._match}{_escape_glob(prefix)}*"):
             names.append(name)
         chosen = heapq.nsmallest(limit, names)
         rows = await self._fields(chosen, *_FIELDS) if chosen else []
@@ -425,7 +426,7 @@ class RedisStore:
     async def buckets(self, *, now: datetime) -> list[Bucket]:
         at = _us(now)
         groups: dict[tuple[str, bool, bool], tuple[int, int | None]] = {}
-        async for batch in self._batches(f"{self._prefix}*"):
+        async for batch in self._batches(f"{self._match}*"):
             for status, created, locked, expires in await self._fields(batch, "s", "c", "l", "e"):
                 if status is None:
                     continue  # expired or deleted since the scan
@@ -446,7 +447,7 @@ class RedisStore:
 
     async def count_expired(self, *, now: datetime) -> int:
         at, total = _us(now), 0
-        async for batch in self._batches(f"{self._prefix}*"):
+        async for batch in self._batches(f"{self._match}*"):
             rows = await self._fields(batch, "e")
             total += sum(1 for (e,) in rows if e is not None and int(e) <= at)
         return total
@@ -463,7 +464,7 @@ class RedisStore:
         # primary, on a cluster).
         script = self._prune
         script.sha = await _call(self.client.script_load(script.script))
-        async for batch in self._batches(f"{self._prefix}*"):
+        async for batch in self._batches(f"{self._match}*"):
             rows = await self._fields(batch, "e")
             due = [n for n, (e,) in zip(batch, rows, strict=True) if e is not None and int(e) <= at]
             due = due[: batch_size - deleted]
