@@ -259,7 +259,6 @@ class RedisStore:
             self._owns_client = True
         else:
             self.client, self._owns_client = url_or_client, False
-        self.cluster = isinstance(self.client, RedisCluster)
         if self._encoder().decode_responses:
             raise ValueError("RedisStore needs a client with decode_responses=False")
         self._prefix = f"{key_prefix}:{{"
@@ -343,9 +342,9 @@ class RedisStore:
         if self._refreshing.locked():
             return  # another request is already asking
         # Mid-failover it may fail too: the next request asks again.
-        async with self._refreshing, contextlib.AsyncExitStack() as stack:
-            stack.enter_context(contextlib.suppress(*DRIVER_ERRORS))
-            await cluster.nodes_manager.initialize()
+        async with self._refreshing:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await cluster.nodes_manager.initialize()
 
     # The hot path: one script call each.
 
