@@ -15,6 +15,7 @@ Configured from the environment:
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -55,6 +56,9 @@ def env_for(url: str, effects: Path, *, lease: float = 30.0) -> dict[str, str]:
 
 
 def create_app(url: str, effects_path: Path, lease: float) -> Starlette:
+    # The library's warnings and errors (store errors, take-overs) into uvicorn's log
+    # file, where a failing test's reader finds them.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     store = RedisStore(url, command_timeout=2)
 
     async def refund(request: Request) -> JSONResponse:

@@ -69,14 +69,16 @@ async def test_a_storm_of_100_same_key_requests_runs_the_handler_once(rstore: Re
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["redis_url", "redis_cluster_url"])
 async def test_a_storm_across_four_uvicorn_workers_runs_the_handler_once(
-    redis_url: str, tmp_path: Path
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
+    url: str = request.getfixturevalue(kind)
     done = tmp_path / "effects.log"
-    store = await redis_store(redis_url)  # flushes
+    store = await redis_store(url)  # flushes
     await store.close()
     path = "/orders/o-storm/refunds"
-    with run_uvicorn(APP, env=env_for(redis_url, done), log_dir=tmp_path, workers=4) as server:
+    with run_uvicorn(APP, env=env_for(url, done), log_dir=tmp_path, workers=4) as server:
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30, limits=limits) as c:
             storm = await asyncio.gather(

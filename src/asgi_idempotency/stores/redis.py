@@ -85,9 +85,18 @@ _T = TypeVar("_T")
 
 
 async def _call(op: Awaitable[_T]) -> _T:
+    """Await a redis-py call; whatever it raises becomes :class:`StoreError`.
+
+    Not only :data:`DRIVER_ERRORS`: ``op`` is the driver's code alone (no decoding of
+    ours runs inside it), and a driver that fails in an undocumented way (redis-py
+    8.1 raised ``AttributeError`` from a connection handshake under concurrent
+    connects) still could not answer, which is a 503, not a 500.
+    """
     try:
         return await op
-    except DRIVER_ERRORS as exc:
+    except StoreError:
+        raise
+    except Exception as exc:
         raise translate(exc) from exc
 
 
@@ -267,6 +276,12 @@ class RedisStore:
         self._wait_ms = max(1, round(wait_timeout * 1000))
         self._node_clients: dict[str, aioredis.Redis] = {}
         self._refreshing = asyncio.Lock()
+        # A cluster client learns the slot map on first use. Learnt while requests
+        # already pour in, redis-py (7.4 and 8.1 alike) recycled connections that
+        # other commands were using ("Connection closed", a closed transport), so
+        # the first command waits for the map, under this lock, before any other runs.
+        self._cold = isinstance(self.client, RedisCluster)
+        self._warming = asyncio.Lock()
         register = self.client.register_script
         self._insert = register(_INSERT)
         self._replace = register(_REPLACE)
@@ -286,7 +301,16 @@ class RedisStore:
     def _scoped(self, name: bytes) -> str:
         return name.decode()[len(self._prefix) : -1]
 
+    async def _warm(self) -> None:
+        async with self._warming:
+            if self._cold:
+                assert isinstance(self.client, RedisCluster)
+                await _call(self.client.initialize())
+                self._cold = False
+
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        if self._cold:
+            await self._warm()
         if self._wait:
             return await _call(self._run_and_wait(script, key, args))
         return await _call(script(keys=[self._key(key)], args=args))
@@ -382,15 +406,19 @@ class RedisStore:
     # Off the hot path: SCAN over every primary (admin tools and tests).
 
     async def get(self, key: str) -> Record | None:
+        if self._cold:
+            await self._warm()
         row = await _call(self.client.hmget(self._key(key), _FIELDS))
         return None if row[0] is None else _record(key, row)
 
     async def _scan(self, match: str) -> AsyncIterator[bytes]:
         # On a cluster redis-py's scan_iter walks every primary.
+        if self._cold:
+            await self._warm()
         try:
             async for name in self.client.scan_iter(match=match, count=_SCAN_COUNT):
                 yield name
-        except DRIVER_ERRORS as exc:
+        except Exception as exc:  # as in _call: the iteration is the driver's alone
             raise translate(exc) from exc
 
     async def _batches(self, match: str) -> AsyncIterator[list[bytes]]:
@@ -498,6 +526,10 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     # landed write, above); past them the request gets 503 rather than a long wait.
     retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries=2)
     options: dict[str, Any] = {
+        # RESP2, as redis-py 5-7 speak by default: the same replies on every supported
+        # redis-py, and none of 8.x's RESP3-only connection handshakes (one of which
+        # raced under concurrent connects to a cluster).
+        "protocol": 2,
         "socket_timeout": command_timeout,
         "socket_connect_timeout": command_timeout,
         "retry": retry,
