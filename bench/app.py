@@ -9,7 +9,10 @@
   one statement for a replay, 409 or 422, two for a first request, nothing else;
 - ``floor_sqlite``: the same guard on one raw aiosqlite connection;
 - ``floor_memory``: the same guard on a dict: what any guard that buffers and
-  captures costs in front of this handler, with no store I/O at all.
+  captures costs in front of this handler, with no store I/O at all;
+- ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
+- ``floor_redis``: the same guard on raw redis-py doing the same two commands (a claim
+  script and a complete script, ``EVALSHA`` each).
 
 The handler does no I/O of its own, so the guard's cost is what the numbers show.
 ``BENCH_PG_URL`` (``postgresql://…``) and ``BENCH_SQLITE_PATH`` say where the stores live.
@@ -192,6 +195,52 @@ class _SQLiteBackend:
         )
 
 
+# The floor's two Redis commands: as little as an atomic claim and a fenced completion can
+# do on a hash per key (the store's scripts do the same work, plus the take-over fields).
+REDIS_CLAIM = """
+local row = redis.call('HMGET', KEYS[1], 'h', 's', 'rs', 'rh', 'rb')
+if row[1] then return row end
+redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 0
+"""
+REDIS_COMPLETE = """
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+_TTL_MS = int(TTL.total_seconds() * 1000)
+
+
+class _RedisBackend:
+    def __init__(self, url: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.client = aioredis.Redis.from_url(url)
+        self._claim = self.client.register_script(REDIS_CLAIM)
+        self._complete = self.client.register_script(REDIS_COMPLETE)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+
+    async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        row = await self._claim(keys=[f"floor:{{{key}}}"], args=[h, token, _TTL_MS])
+        if row == 0:
+            return (True,)
+        h_, s_, rs, rh, rb = row
+        return (False, h_.decode(), s_.decode(), None if rs is None else int(rs), rh, rb)
+
+    async def complete(
+        self, key: str, token: str, status: int, headers: bytes, body: bytes
+    ) -> None:
+        args: list[str | int | bytes] = [token, status, headers, body, _TTL_MS]
+        await self._complete(keys=[f"floor:{{{key}}}"], args=args)
+
+
 class _DictBackend:
     def __init__(self) -> None:
         self.rows: dict[str, tuple[Any, ...]] = {}
@@ -222,7 +271,9 @@ def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
 class FloorGuard:
     """Claim, run, complete; replay, 409 or 422 from the claim's row. Nothing else."""
 
-    def __init__(self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend | _DictBackend) -> None:
+    def __init__(
+        self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend | _DictBackend | _RedisBackend
+    ) -> None:
         self.app, self.backend = app, backend
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -285,17 +336,22 @@ def create() -> Starlette:
     variant = os.environ.get("BENCH_VARIANT", "none")
     pg_url = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/bench_idem")
     sqlite_path = os.environ.get("BENCH_SQLITE_PATH", "/tmp/bench_idem.db")
+    redis_url = os.environ.get("BENCH_REDIS_URL", "")
     middleware: list[Middleware] = []
     closers: list[Callable[[], Awaitable[None]]] = []
     starters: list[Callable[[], Awaitable[None]]] = []
 
-    if variant in ("pg", "pg_batched", "sqlite", "memory"):
+    if variant in ("pg", "pg_batched", "sqlite", "memory", "redis"):
         from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
         from asgi_idempotency.stores.base import Store
 
         store: Store
         if variant == "memory":
             store = MemoryStore()
+        elif variant == "redis":
+            from asgi_idempotency.stores.redis import RedisStore
+
+            store = RedisStore(redis_url)
         elif variant in ("pg", "pg_batched"):
             size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
             url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)
@@ -311,9 +367,11 @@ def create() -> Starlette:
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )
-    elif variant in ("floor_pg", "floor_sqlite", "floor_memory"):
-        backend: _PgBackend | _SQLiteBackend | _DictBackend
-        if variant == "floor_pg":
+    elif variant in ("floor_pg", "floor_sqlite", "floor_memory", "floor_redis"):
+        backend: _PgBackend | _SQLiteBackend | _DictBackend | _RedisBackend
+        if variant == "floor_redis":
+            backend = _RedisBackend(redis_url)
+        elif variant == "floor_pg":
             backend = _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
         elif variant == "floor_sqlite":
             backend = _SQLiteBackend(sqlite_path)

@@ -34,11 +34,15 @@ RESULTS = HERE / "results"
 VARIANTS = [
     "none", "memory", "floor_memory", "pg", "pg_batched", "floor_pg", "sqlite", "floor_sqlite",
 ]  # fmt: skip
+# Run only when named in --variants (a redis-server on PATH, or BENCH_REDIS_URL); the
+# default run, its targets and its chart stay the seven above.
+OPTIONAL = ["redis", "floor_redis"]
 WORKLOADS = ["fresh", "replay", "mix"]
 # The ÷floor column. The memory store's target is against no guard; its floor (the same
 # minimal guard on a dict) shows how much of the gap any buffering guard pays.
 FLOOR = {
     "pg": "floor_pg", "pg_batched": "floor_pg", "sqlite": "floor_sqlite", "memory": "floor_memory",
+    "redis": "floor_redis",
 }  # fmt: skip
 LABELS = {
     "none": "no guard",
@@ -49,6 +53,8 @@ LABELS = {
     "floor_pg": "floor, asyncpg",
     "sqlite": "ours, SQLite",
     "floor_sqlite": "floor, aiosqlite",
+    "redis": "ours, Redis",
+    "floor_redis": "floor, redis-py",
 }
 
 
@@ -230,13 +236,25 @@ def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
     return checks
 
 
+def check_redis(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """The Redis target, when both Redis variants ran: >= 0.9x the raw redis-py floor."""
+    checks: list[tuple[str, bool, str]] = []
+    for workload in ("fresh", "replay"):
+        if {"redis", "floor_redis"} <= set(table.get(workload, {})):
+            r = paired_ratio(table, workload, "redis", "floor_redis")
+            checks.append(
+                (f"Redis {workload}: req/s >= 0.9x redis-py floor", r >= 0.9, f"{r:.2f}x")
+            )
+    return checks
+
+
 def print_table(table: dict[str, Any]) -> None:
     log("")
     log(f"{'workload':8} {'variant':18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'÷floor':>7} {'÷none':>7}  rounds (req/s)        statuses")  # fmt: skip
     for workload in (w for w in WORKLOADS if w in table):
         row = table[workload]
-        for variant in (v for v in VARIANTS if v in row):
+        for variant in (v for v in VARIANTS + OPTIONAL if v in row):
             c = row[variant]
             floor = FLOOR.get(variant)
             vs_floor = ""
@@ -341,6 +359,12 @@ def main() -> None:
     }
     servers: dict[str, UvicornProcess] = {}
     with contextlib.ExitStack() as stack:
+        if set(variants) & set(OPTIONAL) and "BENCH_REDIS_URL" not in os.environ:
+            from bench.redis_server import redis_server
+
+            env["BENCH_REDIS_URL"] = stack.enter_context(redis_server(tmp / "redis"))
+        elif "BENCH_REDIS_URL" in os.environ:
+            env["BENCH_REDIS_URL"] = os.environ["BENCH_REDIS_URL"]
         for variant in variants:
             if variant in ("sqlite", "floor_sqlite"):
                 path = str(tmp / f"{variant}.db")
@@ -389,7 +413,7 @@ def main() -> None:
     print_round_trips(trips)
 
     complete = all(v in variants for v in VARIANTS) and all(w in workloads for w in WORKLOADS)
-    checks = check_targets(table) if complete else []
+    checks = (check_targets(table) if complete else []) + check_redis(table)
     for name, ok, value in checks:
         log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value}")
     budget_ok = all(

@@ -154,12 +154,61 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis server for the run: ``IDEMPOTENCY_TEST_REDIS_URL``, else one of our own."""
+    from tests.redis_servers import NO_REDIS, start_server
+
+    env = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL")
+    if env:
+        yield env
+        return
+    try:
+        server = start_server(tmp_path_factory.mktemp("redis"))
+    except Exception as exc:  # any failure to start one ends in the same advice
+        pytest.fail(f"{NO_REDIS} ({type(exc).__name__}: {exc})", pytrace=False)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster: ``IDEMPOTENCY_TEST_REDIS_CLUSTER``, else 3 + 3 nodes of our own."""
+    from tests.redis_servers import NO_REDIS, start_cluster
+
+    env = os.environ.get("IDEMPOTENCY_TEST_REDIS_CLUSTER")
+    if env:
+        yield env if "://" in env else f"redis+cluster://{env}"
+        return
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    except Exception as exc:
+        pytest.fail(f"{NO_REDIS} ({type(exc).__name__}: {exc})", pytrace=False)
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+async def redis_store(url: str) -> Store:
+    """A :class:`RedisStore` on ``url``, its server (every primary) flushed first."""
+    from asgi_idempotency.stores.redis import RedisStore
+
+    store = RedisStore(url)
+    await store.client.flushall()
+    return store
+
+
 STORE_KINDS = [
     "memory",
     "sqlite",
     pytest.param("postgres", marks=pytest.mark.postgres),
     # The same Postgres store with natural batching (SQLStore(batching=True)).
     pytest.param("postgres_batched", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("redis_cluster", marks=pytest.mark.redis),
 ]
 
 
@@ -168,6 +217,14 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
     """An empty store of ``kind`` (one of :data:`STORE_KINDS`), closed afterwards."""
     if kind == "memory":
         yield MemoryStore()
+        return
+    if kind.startswith("redis"):
+        fixture = "redis_cluster_url" if kind == "redis_cluster" else "redis_url"
+        redis = await redis_store(request.getfixturevalue(fixture))
+        try:
+            yield redis
+        finally:
+            await redis.close()
         return
     postgres = kind in ("postgres", "postgres_batched")
     url = request.getfixturevalue("pg_url" if postgres else "sqlite_url")

@@ -11,7 +11,7 @@ import asgi_idempotency
 from tests._blocking import run_without
 
 # What a plain ``pip install asgi-idempotency`` lacks: the packages of the extras.
-NOT_ON_A_PLAIN_INSTALL = "prometheus_client,httpx,stamina,uvicorn"
+NOT_ON_A_PLAIN_INSTALL = "prometheus_client,httpx,stamina,uvicorn,redis"
 
 
 def test_all_is_sorted_and_importable() -> None:
@@ -86,6 +86,23 @@ def test_an_extra_missing_on_first_use_is_named() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ImportError("), done.stdout
     assert "pip install 'asgi-idempotency[prometheus]'" in done.stdout
+
+
+def test_redis_store_is_reachable_and_names_its_extra_when_missing() -> None:
+    from asgi_idempotency.stores.redis import RedisStore
+
+    assert asgi_idempotency.RedisStore is RedisStore
+    assert "RedisStore" not in asgi_idempotency.__all__
+    done = run_without(
+        NOT_ON_A_PLAIN_INSTALL,
+        "import asgi_idempotency\n"
+        "try:\n"
+        "    asgi_idempotency.RedisStore\n"
+        "except ImportError as exc:\n"
+        "    print(repr(exc))\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'asgi-idempotency[redis]'" in done.stdout, done.stdout
 
 
 LOG_FROM_THE_PACKAGE = (

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         TransactionalStore,
     )
     from .stores.memory import MemoryStore
+    from .stores.redis import RedisStore as RedisStore  # not in __all__: the redis extra
     from .stores.sql import SQLStore
 
 __all__ = [
@@ -128,6 +129,7 @@ _WHERE = {
     "TransactionalStore": ".stores.base",
     "MemoryStore": ".stores.memory",
     "SQLStore": ".stores.sql",
+    "RedisStore": ".stores.redis",  # the redis extra: reachable, not star-exported
 }
 
 # A library leaves log output to the application: without a handler of its own, a

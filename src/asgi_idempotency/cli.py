@@ -4,7 +4,9 @@ Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The data
 (all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
 the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
 ``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
-other drivers are refused, and passwords are never printed.
+other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
+also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``: the ``redis``
+extra); ``prune`` on one explains that Redis expires records itself.
 
 Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists the same):
 
@@ -41,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from .urls import ENV_URL, redact, sqlite_path
+from .urls import ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
@@ -154,7 +156,11 @@ async def _with_store(
     from .stores.base import StoreError
     from .stores.sql import SQLStore
 
-    store = SQLStore(url, command_timeout=command_timeout, pool_size=1)
+    store = (
+        _redis_store(url, command_timeout)
+        if is_redis(url)
+        else SQLStore(url, command_timeout=command_timeout, pool_size=1)
+    )
     try:
         return await body(store)
     except StoreError as exc:
@@ -163,8 +169,28 @@ async def _with_store(
         await store.close()
 
 
+def _redis_store(url: str, command_timeout: float) -> Any:
+    try:
+        from .stores.redis import RedisStore
+    except ImportError as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
+    try:
+        return RedisStore(url, command_timeout=command_timeout)
+    except ValueError as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
+
+
+#: What ``prune`` says on Redis, where there is nothing for it to do.
+REDIS_PRUNE = (
+    "nothing to prune: Redis expires each record itself when its retention ends "
+    "(the key's TTL), so a Redis store needs no prune job"
+)
+
+
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
+    if is_redis(url):
+        raise CLIError(Exit.USAGE, "a Redis store needs no migration: records need no schema")
     try:
         from .migrations import SchemaConflict, upgrade
     except ImportError as exc:
@@ -185,6 +211,12 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
     from .retention import count_expired, prune_all
 
     url = _require_url(args)
+    if is_redis(url):
+        if args.json:
+            print(json.dumps({"pruned": 0, "dry_run": args.dry_run, "note": REDIS_PRUNE}), file=out)
+        elif not args.quiet:
+            print(REDIS_PRUNE, file=out)
+        return Exit.OK
     err: TextIO = sys.stderr
     show_progress = not args.json and not args.quiet and err.isatty()
 
@@ -410,6 +442,8 @@ def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
+    if is_redis(url):
+        return url  # RedisStore reads it as given
     try:
         url = normalize_url(url)
     except ValueError as exc:
@@ -481,7 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--database-url",
             default=default,
-            help=f"postgresql://user@host/db or sqlite:///path.db (default: ${ENV_URL})",
+            help=(
+                "postgresql://user@host/db, sqlite:///path.db, or (inspect, stats) "
+                f"redis://host:port/db or redis+cluster://host:port (default: ${ENV_URL})"
+            ),
         )
         p.add_argument(
             "--timeout",

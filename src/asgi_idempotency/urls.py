@@ -19,6 +19,11 @@ drivers, other databases
 libpq's ``?sslmode=require`` (as hosting providers print their URLs) becomes
 asyncpg's ``?ssl=require``: asyncpg takes the same six modes under that name.
 
+Redis URLs (:data:`REDIS_SCHEMES`, for :class:`~asgi_idempotency.stores.redis.RedisStore`)
+are a store of their own and pass through unchanged: ``redis://host:port/db``,
+``rediss://…`` (TLS), ``redis+cluster://host:port`` (any node of a Redis Cluster) and
+``rediss+cluster://…``. :func:`is_redis` tells them apart.
+
 Messages never carry a password: show URLs through :func:`redact`.
 """
 
@@ -27,7 +32,16 @@ from __future__ import annotations
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["ACCEPTED", "ENV_URL", "async_url", "redact", "sqlite_path"]
+__all__ = [
+    "ACCEPTED",
+    "ENV_URL",
+    "REDIS_CLUSTER_SCHEMES",
+    "REDIS_SCHEMES",
+    "async_url",
+    "is_redis",
+    "redact",
+    "sqlite_path",
+]
 
 #: The environment variable the CLI and alembic's ``env.py`` read the database URL from.
 ENV_URL = "IDEMPOTENCY_DATABASE_URL"
@@ -37,6 +51,18 @@ ACCEPTED = (
     "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
     "sqlite:///path.db or sqlite+aiosqlite:///path.db"
 )
+
+#: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
+#: Redis Cluster (any one node as ``host:port``; the client discovers the rest).
+REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES)
+
+
+def is_redis(url: str) -> bool:
+    """Whether ``url`` names a Redis store (:data:`REDIS_SCHEMES`) rather than a database."""
+    scheme, sep, _ = url.partition("://")
+    return bool(sep) and scheme.lower() in REDIS_SCHEMES
+
 
 # Backend (the part of the scheme before "+") -> (canonical backend, the one async driver).
 _ASYNC = {

@@ -16,6 +16,7 @@ import logging
 import re
 import uuid
 from collections.abc import Iterable
+from datetime import UTC, datetime
 
 import orjson
 import pytest
@@ -116,7 +117,8 @@ class Hostile:
     async def record_count(self) -> int:
         if isinstance(self.store, MemoryStore):
             return len(self.store._rows)
-        assert isinstance(self.store, SQLStore)
+        if not isinstance(self.store, SQLStore):  # Redis: its admin scan counts the keys
+            return sum(b.count for b in await self.store.buckets(now=datetime.now(UTC)))
         async with self.store.engine.connect() as conn:
             return int(await conn.scalar(select(func.count()).select_from(records)) or 0)
 

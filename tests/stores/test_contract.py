@@ -286,7 +286,8 @@ async def test_replace_succeeds_on_the_row_exactly_as_read(store: Store) -> None
     assert seen is not None
     taker = NewClaim(KEY, "h1", tok(), LATER, LATER + LEASE, LATER + TTL)
     assert await store.replace(seen, taker)
-    assert not await store.replace(seen, taker)  # the second swap sees the new row
+    rival = NewClaim(KEY, "h1", tok(), LATER, LATER + LEASE, LATER + TTL)
+    assert not await store.replace(seen, rival)  # a second taker finds the row changed
     now_owned = await store.get(KEY)
     assert now_owned is not None
     assert now_owned.token == taker.token

@@ -1,0 +1,539 @@
+"""Redis store (``asgi-idempotency[redis]``): one server, or Redis Cluster.
+
+One hash per record, at ``idem:{<scoped key>}``. The scoped key is already the
+sha256 hex digest of principal and client key, so the raw client key never reaches
+Redis, and the braces (a hash tag) put every key of a record in one cluster slot, so
+each script touches one slot and the slot is decided by the digest alone.
+
+Every hot-path primitive is one Lua script (``EVALSHA``, reloaded on ``NOSCRIPT`` by
+redis-py's ``Script``), so each is atomic on the server and one round trip:
+
+==========  ===============================================================
+insert      absent: write the claim, ``PEXPIRE`` its ttl; present: return it
+replace     compare-and-swap on the row as read (token, status, lease)
+complete    token owns an in-progress row: store the response, new ``PEXPIRE``
+release     token owns an in-progress row: ``DEL``
+renew       token owns an in-progress row: move ``locked_until``
+==========  ===============================================================
+
+Fields (``HGETALL idem:{…}`` in ``redis-cli``): ``h`` request hash, ``s`` status,
+``t`` token, ``c``/``l``/``e`` created_at/locked_until/expires_at as integer
+microseconds since the epoch (exact in Lua's doubles until the year 2255), ``rs``
+``rh`` ``rb`` the stored response's status, headers (the SQL store's encoding) and
+body bytes. Like the SQL store, this store decides nothing: what a row means is
+:mod:`asgi_idempotency.lifecycle`'s.
+
+Retention is Redis's own: every write sets the key's TTL from the caller's
+``expires_at``, so expired records disappear with no prune job. The TTL is a
+*duration* (``expires_at`` minus the caller's ``now``; at completion, minus the
+claim's ``created_at``, which can only lengthen it), so a clock that differs from
+the server's (a test's fake clock; skew) neither deletes a live record early nor
+keeps one that the lifecycle treats as live. A record whose ``expires_at`` has
+passed but whose TTL has not behaves as new all the same (the lifecycle reads
+``expires_at``); :meth:`RedisStore.prune` deletes such records for tools and tests.
+
+Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
+``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` in one place,
+:func:`translate`, so the middleware's 503 fail-closed path applies unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
+
+from ..errors import StoreError
+from ..urls import REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
+from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .statements import decode_headers, encode_headers
+
+try:
+    import redis.asyncio as aioredis
+    from redis import exceptions as rexc
+    from redis.asyncio.cluster import RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.commands.core import AsyncScript
+except ImportError as exc:  # pragma: no cover - exercised by test_public_api in a subprocess
+    raise ImportError("RedisStore needs redis-py: pip install 'asgi-idempotency[redis]'") from exc
+
+__all__ = ["DRIVER_ERRORS", "RedisStore", "translate"]
+
+# Everything redis-py and the network raise for a failed command. RedisError covers
+# ConnectionError, TimeoutError and every ResponseError (READONLY, CLUSTERDOWN,
+# TRYAGAIN, MOVED/ASK past the client's redirects, NOSCRIPT after a failed reload,
+# OOM); RedisClusterException (no slot coverage, cross-slot) derives from Exception.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    rexc.RedisError,
+    rexc.RedisClusterException,
+    OSError,
+    TimeoutError,
+)
+
+
+def translate(exc: BaseException) -> StoreError:
+    """The store error for a redis-py exception (raise it ``from exc``)."""
+    return StoreError.wrap(exc)
+
+
+_T = TypeVar("_T")
+
+
+async def _call(op: Awaitable[_T]) -> _T:
+    """Await a redis-py call; whatever it raises becomes :class:`StoreError`.
+
+    Not only :data:`DRIVER_ERRORS`: ``op`` is the driver's code alone (no decoding of
+    ours runs inside it), and a driver that fails in an undocumented way (redis-py
+    8.1 raised ``AttributeError`` from a connection handshake under concurrent
+    connects) still could not answer, which is a 503, not a 500.
+    """
+    try:
+        return await op
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise translate(exc) from exc
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+
+
+def _us(value: datetime) -> int:
+    """Integer microseconds since the epoch (exact both ways)."""
+    if value.tzinfo is None:
+        raise StoreError("ValueError: naive datetime: pass an aware UTC datetime")
+    return (value - _EPOCH) // _US
+
+
+def _time(raw: bytes) -> datetime:
+    return _EPOCH + timedelta(microseconds=int(raw))
+
+
+def _ttl_ms(until: datetime, since: datetime) -> int:
+    """The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it)."""
+    return max(1, -(-(_us(until) - _us(since)) // 1000))
+
+
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+_COMPLETED = RecordStatus.COMPLETED.value
+_FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
+
+# A uuid token is unique to one request's claim, so meeting our own token means that
+# an earlier attempt of this very call landed and only its answer was lost (redis-py
+# retries a command after a dropped connection): report the write as ours rather
+# than as somebody else's row. This is transport idempotency, not a lifecycle rule.
+
+# KEYS[1] record; ARGV h, token, created, locked, expires, ttl_ms.
+# Returns 0 when written, else the row in the way (HMGET of _FIELDS).
+_INSERT = """
+local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
+if row[1] then
+  if row[3] == ARGV[2] then return 0 end
+  return row
+end
+redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2],
+           'c', ARGV[3], 'l', ARGV[4], 'e', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+return 0
+"""
+
+# KEYS[1]; ARGV old token, old status, old locked_until, h, token, created, locked,
+# expires, ttl_ms. Compare-and-swap on the row as read: 1 if swapped.
+_REPLACE = """
+local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
+if row[1] == ARGV[5] then return 1 end
+if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'h', ARGV[4], 's', 'in_progress', 't', ARGV[5],
+           'c', ARGV[6], 'l', ARGV[7], 'e', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[9])
+return 1
+"""
+
+# KEYS[1]; ARGV token, status, headers, body, expires. The TTL runs from the claim's
+# created_at (in the caller's clock, like expires_at), so it is never shorter than
+# the retention the caller asked for.
+_COMPLETE = """
+local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
+if row[1] ~= ARGV[1] then return 0 end
+if row[2] == 'completed' then return 1 end
+if row[2] ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4],
+           'e', ARGV[5])
+local ttl = math.ceil((tonumber(ARGV[5]) - tonumber(row[3])) / 1000)
+if ttl < 1 then ttl = 1 end
+redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
+return 1
+"""
+
+# KEYS[1]; ARGV token.
+_RELEASE = """
+local row = redis.call('HMGET', KEYS[1], 't', 's')
+if row[1] ~= ARGV[1] or row[2] ~= 'in_progress' then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1]; ARGV token, locked_until.
+_RENEW = """
+local row = redis.call('HMGET', KEYS[1], 't', 's')
+if row[1] ~= ARGV[1] or row[2] ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 'l', ARGV[2])
+return 1
+"""
+
+# KEYS[1]; ARGV now. Deletes the row only if its expires_at has passed (a racing
+# claim may have replaced it since it was scanned).
+_PRUNE = """
+local e = redis.call('HGET', KEYS[1], 'e')
+if e and tonumber(e) <= tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+_SCAN_COUNT = 1000
+_BATCH = 500
+
+_Client = aioredis.Redis | RedisCluster
+
+
+def _escape_glob(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def _split_url(url: str) -> tuple[str, bool]:
+    """(the URL redis-py reads, whether it names a cluster)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in REDIS_SCHEMES:
+        raise ValueError(
+            f"unsupported Redis URL scheme {parts.scheme!r}: use redis://host:port/db, "
+            "rediss://… (TLS), or redis+cluster://host:port (any node of a cluster)"
+        )
+    cluster = scheme in REDIS_CLUSTER_SCHEMES
+    return urlunsplit(parts._replace(scheme=scheme.partition("+")[0])), cluster
+
+
+class RedisStore:
+    """Records as Redis hashes, each primitive one Lua script call (one round trip).
+
+    Args:
+        url_or_client: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS),
+            ``redis+cluster://host:port`` or ``rediss+cluster://…`` (any node of a
+            Redis Cluster), or an existing ``redis.asyncio.Redis`` / ``RedisCluster``
+            that the caller owns (and closes: :meth:`close` leaves it open). A passed
+            client must not decode responses (bodies are bytes).
+        command_timeout: seconds to connect, and to wait for any one command, before
+            the store gives up and the request gets 503 (default 5). Applies when the
+            store builds the client.
+        key_prefix: the records' key prefix (default ``"idem"``: keys ``idem:{digest}``).
+        wait_replicas: after every write (claim, take-over, completion, release,
+            renewal), ``WAIT`` until this many replicas have it (default 0: no wait).
+            Sent in one pipeline with the script, on its connection, so still one round
+            trip, plus the replication delay. If fewer acknowledge within
+            ``wait_timeout`` the operation raises :class:`StoreError`: a claim gets 503
+            (its key stays claimed until the lease ends), a completion still sends the
+            response (the middleware logs the error). A replica promoted after a
+            failover then has every acknowledged claim and completion; see the
+            README's Redis and Redis Cluster section.
+        wait_timeout: seconds ``WAIT`` may block (default 1).
+
+    Raises:
+        ValueError: an unsupported URL scheme, or a client that decodes responses.
+    """
+
+    def __init__(
+        self,
+        url_or_client: str | _Client,
+        *,
+        command_timeout: float = 5.0,
+        key_prefix: str = "idem",
+        wait_replicas: int = 0,
+        wait_timeout: float = 1.0,
+    ) -> None:
+        if command_timeout is None or command_timeout <= 0:
+            raise ValueError("command_timeout must be a positive number of seconds")
+        if wait_replicas < 0 or wait_timeout <= 0:
+            raise ValueError("wait_replicas must be >= 0 and wait_timeout > 0")
+        if isinstance(url_or_client, str):
+            self.client: _Client = _make_client(url_or_client, command_timeout)
+            self._owns_client = True
+        else:
+            self.client, self._owns_client = url_or_client, False
+        if self._encoder().decode_responses:
+            raise ValueError("RedisStore needs a client with decode_responses=False")
+        self._prefix = f"{key_prefix}:{{"
+        self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
+        self._wait = wait_replicas
+        self._wait_ms = max(1, round(wait_timeout * 1000))
+        self._node_clients: dict[str, aioredis.Redis] = {}
+        self._refreshing = asyncio.Lock()
+        # A cluster client learns the slot map on first use. Learnt while requests
+        # already pour in, redis-py (7.4 and 8.1 alike) recycled connections that
+        # other commands were using ("Connection closed", a closed transport), so
+        # the first command waits for the map, under this lock, before any other runs.
+        self._cold = isinstance(self.client, RedisCluster)
+        self._warming = asyncio.Lock()
+        register = self.client.register_script
+        self._insert = register(_INSERT)
+        self._replace = register(_REPLACE)
+        self._complete = register(_COMPLETE)
+        self._release = register(_RELEASE)
+        self._renew = register(_RENEW)
+        self._prune = register(_PRUNE)
+
+    def _encoder(self) -> Any:
+        if isinstance(self.client, RedisCluster):
+            return self.client.get_encoder()
+        return self.client.connection_pool.get_encoder()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}{key}}}"
+
+    def _scoped(self, name: bytes) -> str:
+        return name.decode()[len(self._prefix) : -1]
+
+    async def _warm(self) -> None:
+        async with self._warming:
+            if self._cold:
+                assert isinstance(self.client, RedisCluster)
+                await _call(self.client.initialize())
+                self._cold = False
+
+    async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        if self._cold:
+            await self._warm()
+        if self._wait:
+            return await _call(self._run_and_wait(script, key, args))
+        return await _call(script(keys=[self._key(key)], args=args))
+
+    async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        # WAIT counts the replicas that have *this connection's* writes, so it must go on
+        # the connection that ran the script: both in one pipeline, one round trip. On a
+        # cluster that is a plain pipeline to the key's primary: a cluster pipeline
+        # re-sends a redirected or failed command on its own, and the WAIT would then
+        # count another connection's writes.
+        rkey, cluster = self._key(key), self.client
+        target: aioredis.Redis
+        if isinstance(cluster, RedisCluster):
+            await cluster.initialize()  # fills the slot map on first use; else a no-op
+            target = self._node_client(cluster.get_node_from_key(rkey))
+        else:
+            target = cluster
+        try:
+            for attempt in (1, 2):
+                pipe = target.pipeline(transaction=False)
+                pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
+                pipe.execute_command("WAIT", self._wait, self._wait_ms)
+                try:
+                    result, acked = await pipe.execute()
+                except rexc.NoScriptError:
+                    if attempt == 2:
+                        raise
+                    script.sha = await target.script_load(script.script)
+                    continue
+                if int(acked) < self._wait:
+                    raise StoreError(
+                        f"WAIT: {acked} of {self._wait} replicas acknowledged the write "
+                        f"within {self._wait_ms} ms"
+                    )
+                return result
+        except (rexc.ConnectionError, rexc.TimeoutError, rexc.ResponseError, OSError):
+            if isinstance(cluster, RedisCluster):
+                await self._refresh_slots(cluster)  # MOVED, a dead node: the map is stale
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _node_client(self, node: Any) -> aioredis.Redis:
+        """A plain client of one cluster node, built from that node's own settings."""
+        client = self._node_clients.get(node.name)
+        if client is None:
+            pool = aioredis.ConnectionPool(
+                connection_class=node.connection_class, **node.connection_kwargs
+            )
+            client = self._node_clients[node.name] = aioredis.Redis(connection_pool=pool)
+        return client
+
+    async def _refresh_slots(self, cluster: RedisCluster) -> None:
+        if self._refreshing.locked():
+            return  # another request is already asking
+        # Mid-failover it may fail too: the next request asks again.
+        async with self._refreshing:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await cluster.nodes_manager.initialize()
+
+    # The hot path: one script call each.
+
+    def _claim_args(self, new: NewClaim) -> list[Any]:
+        return [
+            new.request_hash,
+            new.token,
+            _us(new.now),
+            _us(new.locked_until),
+            _us(new.expires_at),
+            _ttl_ms(new.expires_at, new.now),
+        ]
+
+    async def insert(self, new: NewClaim) -> Record | None:
+        row = await self._run(self._insert, new.key, self._claim_args(new))
+        return None if row == 0 else _record(new.key, row)
+
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
+        old = [expected.token, expected.status.value, _us(expected.locked_until)]
+        return bool(await self._run(self._replace, expected.key, old + self._claim_args(new)))
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        args = [token, response.status, encode_headers(response.headers), response.body,
+                _us(expires_at)]  # fmt: skip
+        return bool(await self._run(self._complete, key, args))
+
+    async def release(self, key: str, token: str) -> bool:
+        return bool(await self._run(self._release, key, [token]))
+
+    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+        return bool(await self._run(self._renew, key, [token, _us(locked_until)]))
+
+    # Off the hot path: SCAN over every primary (admin tools and tests).
+
+    async def get(self, key: str) -> Record | None:
+        if self._cold:
+            await self._warm()
+        row = await _call(self.client.hmget(self._key(key), _FIELDS))
+        return None if row[0] is None else _record(key, row)
+
+    async def _scan(self, match: str) -> AsyncIterator[bytes]:
+        # On a cluster redis-py's scan_iter walks every primary.
+        if self._cold:
+            await self._warm()
+        try:
+            async for name in self.client.scan_iter(match=match, count=_SCAN_COUNT):
+                yield name
+        except Exception as exc:  # as in _call: the iteration is the driver's alone
+            raise translate(exc) from exc
+
+    async def _batches(self, match: str) -> AsyncIterator[list[bytes]]:
+        batch: list[bytes] = []
+        async for name in self._scan(match):
+            batch.append(name)
+            if len(batch) >= _BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    async def _fields(self, names: Sequence[bytes], *fields: str) -> list[list[Any]]:
+        """HMGET ``fields`` of each key in one pipeline (per node, on a cluster)."""
+        pipe: Any = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(name, fields)
+        return cast(list[list[Any]], await _call(pipe.execute()))
+
+    async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
+        names: list[bytes] = []
+        async for name in self._scan(f"{self._match}{_escape_glob(prefix)}*"):
+            names.append(name)
+        chosen = heapq.nsmallest(limit, names)
+        rows = await self._fields(chosen, *_FIELDS) if chosen else []
+        return [
+            _record(self._scoped(name), row)
+            for name, row in zip(chosen, rows, strict=True)
+            if row[0] is not None
+        ]
+
+    async def buckets(self, *, now: datetime) -> list[Bucket]:
+        at = _us(now)
+        groups: dict[tuple[str, bool, bool], tuple[int, int | None]] = {}
+        async for batch in self._batches(f"{self._match}*"):
+            for status, created, locked, expires in await self._fields(batch, "s", "c", "l", "e"):
+                if status is None:
+                    continue  # expired or deleted since the scan
+                group = (status.decode(), int(expires) <= at, int(locked) <= at)
+                count, oldest = groups.get(group, (0, None))
+                c = int(created)
+                groups[group] = (count + 1, c if oldest is None else min(oldest, c))
+        return [
+            Bucket(
+                STATUS_OF[status],
+                expired,
+                lease_over,
+                count,
+                None if oldest is None else _EPOCH + timedelta(microseconds=oldest),
+            )
+            for (status, expired, lease_over), (count, oldest) in groups.items()
+        ]
+
+    async def count_expired(self, *, now: datetime) -> int:
+        at, total = _us(now), 0
+        async for batch in self._batches(f"{self._match}*"):
+            rows = await self._fields(batch, "e")
+            total += sum(1 for (e,) in rows if e is not None and int(e) <= at)
+        return total
+
+    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+        """Delete up to ``batch_size`` records whose ``expires_at <= now`` that remain.
+
+        Redis deletes every record itself when its TTL runs out, so production needs
+        no prune job; this removes records that the caller's clock (a test's, or one
+        ahead of the server's) considers expired before their TTL is up.
+        """
+        at, deleted = _us(now), 0
+        # Pipelined EVALSHA does not reload a missing script: load it first (every
+        # primary, on a cluster).
+        script = self._prune
+        script.sha = await _call(self.client.script_load(script.script))
+        async for batch in self._batches(f"{self._match}*"):
+            rows = await self._fields(batch, "e")
+            due = [n for n, (e,) in zip(batch, rows, strict=True) if e is not None and int(e) <= at]
+            due = due[: batch_size - deleted]
+            if due:
+                pipe: Any = self.client.pipeline(transaction=False)
+                for name in due:
+                    pipe.execute_command("EVALSHA", script.sha, 1, name, at)
+                deleted += sum(await _call(pipe.execute()))
+            if deleted >= batch_size:
+                break
+        return deleted
+
+    async def close(self) -> None:
+        for node_client in self._node_clients.values():
+            await node_client.aclose(close_connection_pool=True)
+        self._node_clients.clear()
+        if self._owns_client:
+            await self.client.aclose()
+
+
+def _record(key: str, row: Sequence[Any]) -> Record:
+    h, s, t, c, lu, e, rs, rh, rb = row
+    response = None if rs is None else StoredResponse(int(rs), decode_headers(rh), bytes(rb))
+    return Record(
+        key, h.decode(), STATUS_OF[s.decode()], t.decode(), _time(c), _time(lu), _time(e), response
+    )
+
+
+def _make_client(url: str, command_timeout: float) -> _Client:
+    redis_url, cluster = _split_url(url)
+    # A few quick retries of a dropped connection (the scripts recognise their own
+    # landed write, above); past them the request gets 503 rather than a long wait.
+    retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries=2)
+    options: dict[str, Any] = {
+        # RESP2, as redis-py 5-7 speak by default: the same replies on every supported
+        # redis-py, and none of 8.x's RESP3-only connection handshakes (one of which
+        # raced under concurrent connects to a cluster).
+        "protocol": 2,
+        "socket_timeout": command_timeout,
+        "socket_connect_timeout": command_timeout,
+        "retry": retry,
+    }
+    if cluster:
+        return RedisCluster.from_url(redis_url, **options)
+    return aioredis.Redis.from_url(redis_url, **options)

@@ -1,0 +1,372 @@
+"""What only the Redis store has: its key layout, TTLs, scripts, errors, WAIT, and its cost.
+
+The store contract and the middleware suites run on Redis through the ``store``
+fixture; these pin the rest, against real ``redis-server`` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
+from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
+from asgi_idempotency.stores.redis import RedisStore
+from tests.conftest import redis_store
+from tests.redis_servers import RedisServer, redis_cli, start_server
+from tests.stores.test_round_trips import _drive
+
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
+
+RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')
+
+
+@pytest.fixture(params=["redis", "redis_cluster"])
+async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
+    fixture = "redis_cluster_url" if request.param == "redis_cluster" else "redis_url"
+    store = await redis_store(request.getfixturevalue(fixture))
+    assert isinstance(store, RedisStore)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _ports(store: RedisStore) -> list[int]:
+    """Every node's port (the one server's, or every cluster node's)."""
+    if isinstance(store.client, RedisCluster):
+        return sorted(int(n.port) for n in store.client.get_nodes())
+    kwargs = store.client.connection_pool.connection_kwargs
+    return [int(kwargs["port"])]
+
+
+def _commandstats(ports: list[int]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for port in ports:
+        for line in redis_cli(port, "INFO", "commandstats").splitlines():
+            if line.startswith("cmdstat_"):
+                name, _, fields = line.removeprefix("cmdstat_").partition(":")
+                calls = int(dict(f.split("=") for f in fields.split(","))["calls"])
+                totals[name] = totals.get(name, 0) + calls
+    return totals
+
+
+def _command_counter(store: RedisStore) -> Callable[[], list[Any]]:
+    """``reset()`` for ``_drive``: what was sent and run since the last call.
+
+    Counted twice: each command the client sent (``execute_command``; nothing is
+    pipelined on the hot path, so one command is one round trip), and the scripts the
+    servers ran by their own count (``INFO commandstats``, whose script-internal
+    commands are left out: they cost no round trip).
+    """
+    ports = _ports(store)
+    sent: list[str] = []
+    raw = store.client.execute_command
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        sent.append(str(args[0]))
+        return await raw(*args, **kwargs)
+
+    store.client.execute_command = counted  # type: ignore[method-assign]  # a test's wiretap
+    last = _commandstats(ports)
+
+    def reset() -> list[Any]:
+        nonlocal last
+        now = _commandstats(ports)
+        ran = now.get("evalsha", 0) - last.get("evalsha", 0)
+        last, out = now, (list(sent), ran)
+        sent.clear()
+        return [out]
+
+    return reset
+
+
+async def test_round_trips_per_outcome(rstore: RedisStore, tiny: Any) -> None:
+    await _drive(tiny(rstore), lambda: [], "warm-up")  # connect, load the scripts
+    seen = await _drive(tiny(rstore), _command_counter(rstore), "counted")
+    one, two = (["EVALSHA"], 1), (["EVALSHA", "EVALSHA"], 2)
+    assert seen == {
+        "fresh": [two],  # insert, complete
+        "replay": [one],  # the insert returns the row in the way
+        "mismatch_422": [one],
+        "released_500": [two],  # insert, release
+        "unguarded_no_key": [([], 0)],
+        "unguarded_get": [([], 0)],
+        "in_flight_409": [one],
+    }
+
+
+async def test_one_hash_per_record_under_the_digest_never_the_raw_key(
+    rstore: RedisStore, tiny: Any
+) -> None:
+    client_key = "order-42-visible-client-key"
+    async with tiny(rstore).client() as c:
+        r = await c.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": client_key})
+        assert r.status_code == 201
+    names = [name async for name in rstore.client.scan_iter(match="*")]
+    digest = scoped_key("", client_key)
+    assert names == [f"idem:{{{digest}}}".encode()]
+    fields = await rstore.client.hgetall(names[0])
+    assert set(fields) == {b"h", b"s", b"t", b"c", b"l", b"e", b"rs", b"rh", b"rb"}
+    assert client_key not in repr((names, fields))
+
+
+async def test_the_ttl_is_the_policys_retention(rstore: RedisStore, tiny: Any) -> None:
+    policy = Policy(ttl=timedelta(minutes=10))
+    app = tiny(rstore, default_policy=policy)
+    async with app.client() as c:
+        first = asyncio.create_task(
+            c.post("/pay", json={"wait": True}, headers={"Idempotency-Key": "ttl"})
+        )
+        await asyncio.wait_for(app.entered.wait(), 5)
+        [name] = [n async for n in rstore.client.scan_iter(match="idem:*")]
+        assert 595_000 < await rstore.client.pttl(name) <= 600_000  # the claim's
+        await asyncio.sleep(0.3)
+        app.gate.set()
+        assert (await first).status_code == 201
+    # The completion's TTL counts from the claim's creation: never shorter than asked.
+    assert 600_000 <= await rstore.client.pttl(name) <= 600_400
+
+
+async def test_an_expired_ttl_makes_the_key_new_with_no_prune(
+    rstore: RedisStore, tiny: Any
+) -> None:
+    app = tiny(rstore, default_policy=Policy(ttl=timedelta(milliseconds=300)))
+    key = {"Idempotency-Key": "short"}
+    async with app.client() as c:
+        assert (await c.post("/pay", json={"n": 1}, headers=key)).status_code == 201
+        await asyncio.sleep(0.5)
+        assert [n async for n in rstore.client.scan_iter(match="idem:*")] == []
+        assert (await c.post("/pay", json={"n": 2}, headers=key)).status_code == 201
+    assert app.calls["pay"] == 2
+
+
+async def test_scripts_flushed_on_the_server_are_reloaded(rstore: RedisStore) -> None:
+    now = datetime.now(UTC)
+    new = NewClaim("a" * 64, "h", "t1", now, now + timedelta(seconds=30), now + timedelta(hours=1))
+    assert await rstore.insert(new) is None
+    await rstore.client.script_flush()  # as after a restart or a failover to a bare replica
+    assert await rstore.complete("a" * 64, "t1", RESPONSE, expires_at=now + timedelta(hours=1))
+    record = await rstore.get("a" * 64)
+    assert record is not None
+    assert record.status is RecordStatus.COMPLETED
+    assert record.response == RESPONSE
+
+
+async def test_find_and_buckets_scan_every_primary(rstore: RedisStore) -> None:
+    now = datetime.now(UTC)
+    keys = [f"{i:02x}" + "0" * 62 for i in range(0, 256, 8)]  # spread over the slots
+    for k in keys:
+        claim = NewClaim(
+            k, "h", "t-" + k, now, now + timedelta(seconds=30), now + timedelta(hours=1)
+        )
+        assert await rstore.insert(claim) is None
+    assert [r.key for r in await rstore.find("f8", limit=5)] == ["f8" + "0" * 62]
+    assert len(await rstore.find("", limit=100)) == len(keys)
+    [bucket] = await rstore.buckets(now=now)
+    assert (bucket.status, bucket.expired, bucket.lease_over) == (
+        RecordStatus.IN_PROGRESS,
+        False,
+        False,
+    )
+    assert bucket.count == len(keys)
+    assert await rstore.count_expired(now=now + timedelta(hours=2)) == len(keys)
+    assert await rstore.prune(now=now + timedelta(hours=2), batch_size=10) == 10
+    assert await rstore.count_expired(now=now + timedelta(hours=2)) == len(keys) - 10
+
+
+async def test_find_treats_glob_characters_as_text(rstore: RedisStore) -> None:
+    now = datetime.now(UTC)
+    await rstore.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
+    assert await rstore.find("*") == []
+    assert await rstore.find("a?") == []
+    odd = RedisStore(rstore.client, key_prefix="my*app[1]")  # the prefix is text too
+    await odd.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
+    assert [r.key for r in await odd.find("ab")] == ["ab" + "0" * 62]
+    assert [b.count for b in await odd.buckets(now=now)] == [1]
+    assert [b.count for b in await rstore.buckets(now=now)] == [1]  # each its own records
+
+
+async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_own(
+    rstore: RedisStore,
+) -> None:
+    """redis-py resends a command after a dropped connection; the first may have landed.
+
+    The scripts recognise their own token (unique to one claim), so a resent claim is
+    still the caller's claim, not a 409 against itself, and a resent swap or completion
+    still succeeded.
+    """
+    now = datetime.now(UTC)
+    lease, ttl = timedelta(seconds=30), timedelta(hours=1)
+    new = NewClaim("d" * 64, "h", "t1", now, now + lease, now + ttl)
+    assert await rstore.insert(new) is None
+    assert await rstore.insert(new) is None  # the resend
+    later = now + 2 * lease
+    current = await rstore.get("d" * 64)
+    assert current is not None
+    taker = NewClaim("d" * 64, "h", "t2", later, later + lease, later + ttl)
+    assert await rstore.replace(current, taker)
+    assert await rstore.replace(current, taker)  # the resend
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    # A stranger's token still gets nothing, whatever the state.
+    assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, later, later + ttl))
+    assert not await rstore.complete("d" * 64, "t1", RESPONSE, expires_at=later + ttl)
+
+
+# Errors: all of them StoreError, so the middleware's 503 path applies.
+
+
+async def test_an_unreachable_server_is_a_store_error_and_a_503(
+    refused_url: str, tiny: Any
+) -> None:
+    port = urlsplit(refused_url).port
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", command_timeout=1)
+    try:
+        with pytest.raises(StoreError, match="ConnectionError"):
+            await store.get("a" * 64)
+        app = tiny(store)
+        async with app.client() as c:
+            r = await c.post("/pay", json={}, headers={"Idempotency-Key": "down"})
+        assert r.status_code == 503
+        assert r.headers["retry-after"]
+        assert app.calls == {}
+    finally:
+        await store.close()
+
+
+async def test_fail_open_runs_the_handler_unguarded_when_redis_is_down(
+    refused_url: str, tiny: Any
+) -> None:
+    port = urlsplit(refused_url).port
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", command_timeout=1)
+    try:
+        app = tiny(store, fail_open=True)
+        async with app.client() as c:
+            r = await c.post("/pay", json={}, headers={"Idempotency-Key": "open"})
+        assert r.status_code == 201
+        assert app.calls == {"pay": 1}
+    finally:
+        await store.close()
+
+
+@pytest.fixture
+def primary_and_replica(tmp_path: Path) -> Any:
+    primary = start_server(tmp_path / "primary")
+    replica = start_server(tmp_path / "replica")
+    try:
+        primary.cli("CONFIG", "SET", "repl-diskless-sync-delay", "0")
+        replica.cli("REPLICAOF", "127.0.0.1", str(primary.port))
+        yield primary, replica
+    finally:
+        replica.stop()
+        primary.stop()
+
+
+async def _wait_linked(replica: RedisServer) -> None:
+    for _ in range(100):
+        if "master_link_status:up" in replica.cli("INFO", "replication"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the replica never linked to its primary")
+
+
+async def test_a_read_only_replica_is_a_store_error(primary_and_replica: Any) -> None:
+    _, replica = primary_and_replica
+    await _wait_linked(replica)
+    store = RedisStore(replica.url)
+    now = datetime.now(UTC)
+    try:
+        with pytest.raises(StoreError, match="ReadOnlyError"):
+            await store.insert(NewClaim("a" * 64, "h", "t", now, now, now + timedelta(hours=1)))
+    finally:
+        await store.close()
+
+
+async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
+    primary_and_replica: Any,
+) -> None:
+    primary, replica = primary_and_replica
+    await _wait_linked(replica)
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    store = RedisStore(primary.url, wait_replicas=1, wait_timeout=0.3)
+    lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
+    name = "idem:{" + "a" * 64 + "}"
+    try:
+        await store.client.script_flush()  # the pipelined EVALSHA reloads too
+        assert await store.insert(NewClaim("a" * 64, "h", "t", now, now, later)) is None
+        # Acknowledged by the replica before the call returned: it is there now.
+        assert replica.cli("HGET", name, "s").strip() == "in_progress"
+        assert await store.complete("a" * 64, "t", RESPONSE, expires_at=later)
+        assert replica.cli("HGET", name, "s").strip() == "completed"
+        with pytest.raises(StoreError, match="WAIT: 1 of 2 replicas"):
+            await lonely.insert(NewClaim("b" * 64, "h", "t", now, now, later))
+    finally:
+        await store.close()
+        await lonely.close()
+
+
+async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
+    redis_cluster_url: str,
+) -> None:
+    store = RedisStore(redis_cluster_url, wait_replicas=1, wait_timeout=2)
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    try:
+        await store.client.flushall()
+        for k in ("1", "2", "3", "4", "5", "6"):  # spread over the primaries
+            key = k * 64
+            assert await store.insert(NewClaim(key, "h", "t", now, now, later)) is None
+            assert await store.complete(key, "t", RESPONSE, expires_at=later)
+            assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
+    finally:
+        await store.close()
+
+
+# Construction.
+
+
+def test_urls_name_one_server_or_a_cluster() -> None:
+    assert isinstance(RedisStore("redis://127.0.0.1:1/0"), Store)
+    assert isinstance(RedisStore("redis://127.0.0.1:1/0").client, aioredis.Redis)
+    assert isinstance(RedisStore("rediss://127.0.0.1:1/0").client, aioredis.Redis)
+    assert isinstance(RedisStore("redis+cluster://127.0.0.1:1").client, RedisCluster)
+    with pytest.raises(ValueError, match=r"redis\+cluster://host:port"):
+        RedisStore("http://127.0.0.1:1")
+
+
+async def test_a_passed_client_is_the_callers(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    store = RedisStore(client)
+    await store.close()
+    assert await client.ping()
+    await client.aclose()
+    with pytest.raises(ValueError, match="decode_responses=False"):
+        RedisStore(aioredis.Redis.from_url(redis_url, decode_responses=True))
+
+
+async def test_a_stale_owner_is_fenced_on_the_cluster_too(rstore: RedisStore) -> None:
+    """The contract's fencing, through the lifecycle, on each store kind of this file."""
+    t0 = datetime.now(UTC)
+    lease, ttl = timedelta(seconds=1), timedelta(hours=1)
+    old = await lifecycle.claim(rstore, "c" * 64, "h", "old", now=t0, locked_until=t0 + lease,
+                                expires_at=t0 + ttl)  # fmt: skip
+    assert old.owned
+    later = t0 + 2 * lease
+    new = await lifecycle.claim(rstore, "c" * 64, "h", "new", now=later,
+                                locked_until=later + lease, expires_at=later + ttl)  # fmt: skip
+    assert new.outcome is lifecycle.ClaimOutcome.TAKEN_OVER
+    assert not await rstore.complete("c" * 64, "old", RESPONSE, expires_at=later + ttl)
+    assert not await rstore.renew("c" * 64, "old", locked_until=later + 10 * lease)
+    assert not await rstore.release("c" * 64, "old")
+    assert await rstore.complete("c" * 64, "new", RESPONSE, expires_at=later + ttl)
