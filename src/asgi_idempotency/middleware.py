@@ -41,6 +41,7 @@ class _Guard(NamedTuple):
     policy: Policy
     route: str  # the route template, the label of logs and metrics
     prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
+    header_names: frozenset[bytes]  # the policy's, read here without a property call
 
 
 class IdempotencyMiddleware:
@@ -176,7 +177,7 @@ class IdempotencyMiddleware:
             return None
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
-        return _Guard(policy, route, request_prefix(method, path))
+        return _Guard(policy, route, request_prefix(method, path), policy.header_names)
 
     async def _read(
         self, guard: _Guard, scope: Scope, receive: Receive, send: Send
@@ -209,10 +210,9 @@ class IdempotencyMiddleware:
             return None
         if body is None:
             return None  # the client left while sending its body: nothing ran, nothing to answer
+        names = guard.header_names
         chosen = (
-            [(n.lower(), v) for n, v in scope["headers"] if n.lower() in policy.header_names]
-            if policy.header_names
-            else ()
+            [(n.lower(), v) for n, v in scope["headers"] if n.lower() in names] if names else ()
         )
         request_hash = fingerprint_after(
             guard.prefix, scope.get("query_string", b""), body, content_type, chosen

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from . import lifecycle
 from .asgi import ASGIApp, Receive, Scope, Send
-from .capture import run_captured, send_captured, send_replay, storable_headers
+from .capture import Captured, send_replay, storable_headers
 from .errors import KeyMismatch, RequestInProgress, StoreError, StoreUnavailable
 from .lease import LeaseRenewal
 from .lifecycle import Claim, ClaimOutcome
@@ -71,24 +71,20 @@ class Runtime:
         # Completions, releases and transaction closes that outlive a cancelled request.
         self.background: set[asyncio.Task[Any]] = set()
 
-    async def finish(
-        self, make: Callable[[], Coroutine[Any, Any, T]], route: str, key: str, phase: str
-    ) -> T:
-        """Run a completion or release to the end, even if this request is cancelled.
+    def rerun(
+        self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
+    ) -> None:
+        """Run a completion or release again to the end, after a cancellation cut it short.
 
-        Awaited directly: no task and no extra loop turns on the common path. If a
-        cancellation interrupts it, the same statement runs again in a task of its
-        own, whose failure is logged under the request's route and key digest; both
-        are fenced by the claim's token, so a second run changes nothing a first one
-        that did land had not already done.
+        A completion or release is awaited directly: no task and no extra loop turns
+        on the common path. If a cancellation interrupts it, the caller hands the same
+        statement here, to run in a task of its own whose failure is logged under the
+        request's route and key digest; both are fenced by the claim's token, so a
+        second run changes nothing a first one that did land had not already done.
         """
-        try:
-            return await make()
-        except asyncio.CancelledError:
-            task = asyncio.ensure_future(make())
-            self._keep(task)
-            task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
-            raise
+        task = asyncio.ensure_future(make())
+        self._keep(task)
+        task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
@@ -153,7 +149,7 @@ class Responder:
         rt, req = self.rt, self.req
         policy = req.policy
         now = rt.clock()
-        token = new_token()
+        token = os.urandom(16).hex()  # new_token(), inlined
         try:
             claim = await lifecycle.claim(
                 claimant,
@@ -181,8 +177,9 @@ class Responder:
             )  # fmt: skip
         else:
             self.scope.setdefault("state", {})["idempotency"] = tx.state
+        captured = Captured(req.body, self.receive)
         try:
-            start, content = await run_captured(rt.app, self.scope, self.receive, req.body)
+            await rt.app(self.scope, captured.receive, captured.send)
         except asyncio.CancelledError:
             # Cancelled part-way: the effect may or may not have happened. By default the
             # claim stays in progress until its lease ends rather than inviting a rerun;
@@ -198,6 +195,12 @@ class Responder:
             raise
         if renewal is not None:
             renewal.stop()
+        start = captured.start
+        if start is None:
+            # As if the app had raised: a retry may run it again.
+            await self._release(token, tx)
+            raise RuntimeError("the application returned without sending a response")
+        content = b"".join(captured.chunks)
 
         status: int = start["status"]
         if not lifecycle.completes(status):
@@ -210,17 +213,20 @@ class Responder:
             elif not await self._commit(tx, token, stored, expires_at):
                 return
             rt.observer.outcome(req.route, Outcome.EXECUTED)
-        await send_captured(self.send, start, content)
+        send = self.send  # capture.send_captured, inlined: one coroutine fewer per request
+        await send(start)
+        await send({"type": "http.response.body", "body": content, "more_body": False})
 
     async def _complete(self, token: str, stored: StoredResponse, expires_at: datetime) -> None:
         store, key = self.rt.store, self.req.key
         try:
-            owned = await self.rt.finish(
-                lambda: store.complete(key, token, stored, expires_at=expires_at),
-                self.req.route,
-                key,
-                "complete",
-            )
+            owned = await store.complete(key, token, stored, expires_at=expires_at)
+        except asyncio.CancelledError:
+            # A partial, built only now: a lambda would give this function cells
+            # that every request pays for.
+            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
+            self.rt.rerun(again, self.req.route, key, "complete")
+            raise
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
             # response; the row stays in progress until its lease ends (README: guarantees).
@@ -257,7 +263,11 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key = self.rt.store, self.req.key
         try:
-            await self.rt.finish(lambda: store.release(key, token), self.req.route, key, "release")
+            await store.release(key, token)
+        except asyncio.CancelledError:
+            again = functools.partial(store.release, key, token)
+            self.rt.rerun(again, self.req.route, key, "release")
+            raise
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
 
