@@ -8,7 +8,7 @@ every request; the responder holds nothing else. One path runs both modes:
                        └─ ours ─► run the handler, captured ─► complete or release ─► send
 
 In the default mode the claim and the completion are separate statements on the
-store and a :class:`~.lease.LeaseRenewal` keeps the claim alive meanwhile. In
+store and :class:`~.lease.LeaseRenewals` keeps the claim alive meanwhile. In
 transactional mode they are statements of one store transaction, which the handler
 writes through too: releasing is rolling back, completing is committing.
 """
@@ -27,7 +27,7 @@ from . import lifecycle
 from .asgi import ASGIApp, Receive, Scope, Send
 from .capture import Captured, send_replay, storable_headers
 from .errors import KeyMismatch, RequestInProgress, StoreError, StoreUnavailable
-from .lease import LeaseRenewal
+from .lease import LeaseRenewals
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer
@@ -54,7 +54,8 @@ class GuardedRequest(NamedTuple):
 class Runtime:
     """What every request of one middleware shares: the app, the store and the settings."""
 
-    __slots__ = ("app", "background", "clock", "fail_open", "observer", "retry_after", "store")
+    __slots__ = ("app", "background", "clock", "fail_open", "observer", "renewals", "retry_after",
+                 "store")  # fmt: skip
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class Runtime:
         self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
         # Completions, releases and transaction closes that outlive a cancelled request.
         self.background: set[asyncio.Task[Any]] = set()
+        self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
 
     def rerun(
         self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
@@ -171,10 +173,7 @@ class Responder:
 
         renewal = None
         if tx is None:
-            renewal = LeaseRenewal(
-                rt.store, req.key, token, lease=policy.lease, every=policy.renew_every,
-                clock=rt.clock, observer=rt.observer, route=req.route,
-            )  # fmt: skip
+            renewal = rt.renewals.start(req.key, token, policy.lease, policy.renew_every, req.route)
         else:
             self.scope.setdefault("state", {})["idempotency"] = tx.state
         captured = Captured(req.body, self.receive)
@@ -185,16 +184,16 @@ class Responder:
             # claim stays in progress until its lease ends rather than inviting a rerun;
             # in a transaction, closing it rolls back the claim and the writes together.
             if renewal is not None:
-                renewal.stop()
+                renewal.stop(token)
                 self._log(logging.WARNING, "idempotency.cancelled")
             raise
         except BaseException:
             if renewal is not None:
-                renewal.stop()
+                renewal.stop(token)
             await self._release(token, tx)
             raise
         if renewal is not None:
-            renewal.stop()
+            renewal.stop(token)
         start = captured.start
         if start is None:
             # As if the app had raised: a retry may run it again.
