@@ -30,7 +30,7 @@ from .errors import KeyMismatch, RequestInProgress, StoreError, StoreUnavailable
 from .lease import LeaseRenewals
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
-from .observer import Observer
+from .observer import Observer, logger
 from .policy import Policy
 from .request import replay_body
 from .stores.base import Store, StoredResponse, StoreTransaction, TransactionalStore
@@ -290,14 +290,18 @@ class Responder:
         if claim.outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
-            self._log(
-                logging.INFO, "idempotency.replay", status=record.response.status,
-                outcome=Outcome.REPLAYED.value,
-            )  # fmt: skip
+            # Checked here as well as in Observer.log: the keywords are not even built
+            # when nobody listens at INFO, as is usual for every replay.
+            if logger.isEnabledFor(logging.INFO):
+                self._log(
+                    logging.INFO, "idempotency.replay", status=record.response.status,
+                    outcome=Outcome.REPLAYED.value,
+                )  # fmt: skip
             observer.outcome(route, Outcome.REPLAYED)
             await send_replay(self.send, record.response)
         elif claim.outcome is ClaimOutcome.MISMATCH:
-            self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
+            if logger.isEnabledFor(logging.INFO):
+                self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
             observer.outcome(route, Outcome.MISMATCH)
             await KeyMismatch(_MISMATCH_DETAIL).send(self.send)
         else:
