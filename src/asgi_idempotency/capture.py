@@ -1,5 +1,5 @@
-"""The response side: run the app with its response held back, store what may be replayed,
-and send a captured or a stored response.
+"""The response side: hold the app's response back while it runs (:class:`Captured`),
+keep what may be replayed, and send a stored response.
 
 The response start is held back until the whole response is known, so the guard can
 decide to complete or release the key before the client sees anything, and never
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .asgi import ASGIApp, Message, Receive, Scope, Send, send_response
+from .asgi import Message, Receive, Send, send_response
 from .stores.base import StoredResponse
 
-__all__ = ["Captured", "run_captured", "send_captured", "send_replay", "storable_headers"]
+__all__ = ["Captured", "send_replay", "storable_headers"]
 
 # Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
 # Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
@@ -81,27 +81,6 @@ class Captured:
             self.start = message
         elif kind == "http.response.body":
             self.chunks.append(message.get("body", b""))
-
-
-async def run_captured(
-    app: ASGIApp, scope: Scope, receive: Receive, body: bytes
-) -> tuple[Message, bytes]:
-    """Run ``app`` on the buffered ``body``; return its response start and whole body.
-
-    Raises:
-        RuntimeError: the app returned without starting a response.
-    """
-    captured = Captured(body, receive)
-    await app(scope, captured.receive, captured.send)
-    start = captured.start
-    if start is None:
-        raise RuntimeError("the application returned without sending a response")
-    return start, b"".join(captured.chunks)
-
-
-async def send_captured(send: Send, start: Message, content: bytes) -> None:
-    await send(start)
-    await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
 async def send_replay(send: Send, response: StoredResponse) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -100,15 +99,6 @@ def default_principal(scope: Scope) -> str | None:
         return str(user.identity)
     except NotImplementedError:
         return str(user.display_name)
-
-
-async def resolve_principal(func: PrincipalFunc, scope: Scope) -> str:
-    principal = func(scope)
-    if principal is None or type(principal) is str:
-        return principal or ""
-    if inspect.isawaitable(principal):
-        principal = await principal
-    return principal or ""
 
 
 def scoped_key(principal: str, key: str) -> str:

@@ -217,8 +217,8 @@ class IdempotencyMiddleware:
         request_hash = fingerprint_after(
             guard.prefix, scope.get("query_string", b""), body, content_type, chosen
         )
-        # resolve_principal inlined: most principal functions answer synchronously, and
-        # this spares the request a coroutine.
+        # Called here, not through an async helper: most principal functions answer
+        # synchronously, and this spares the request a coroutine.
         principal = self.principal(scope)
         if principal is not None and type(principal) is not str and inspect.isawaitable(principal):
             principal = await principal
