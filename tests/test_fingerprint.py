@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asgi_idempotency.canonical import canonical_json, canonicalize_json_bytes
-from asgi_idempotency.fingerprint import fingerprint
+from asgi_idempotency.fingerprint import fingerprint, fingerprint_after, is_json, request_prefix
 
 JSON = b"application/json"
 
@@ -111,3 +111,37 @@ def test_fingerprints_are_stable_across_releases(args: tuple[Any, ...], expected
     method, path, query, body, content_type, headers = args
     got = fingerprint(method, path, query, body, content_type=content_type, headers=headers)
     assert got == expected
+
+
+# What the middleware sends: a query or not, chosen headers or not, JSON or other bodies.
+requests = st.tuples(
+    st.sampled_from(["POST", "PATCH", "PUT"]),
+    st.text(min_size=1, max_size=12).map(lambda s: "/" + s),
+    st.sampled_from([b"", b"a=1", b"b=2&a=1&a=0", b"x"]),
+    st.one_of(values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=20)),
+    st.sampled_from([JSON, b"text/plain", None, b"application/problem+json; charset=utf-8"]),
+)
+
+
+@given(request=requests)
+def test_the_per_path_prefix_and_the_fast_path_hash_what_fingerprint_hashes(
+    request: tuple[str, str, bytes, bytes, bytes | None],
+) -> None:
+    # The middleware computes the method-and-path prefix once per path, and requests
+    # without a query or chosen headers take a shorter join: neither may change a digest.
+    method, path, query, body, content_type = request
+    expected = fingerprint(method, path, query, body, content_type=content_type, headers=[])
+    prefix = request_prefix(method, path)
+    assert fingerprint_after(prefix, query, body, content_type, ()) == expected
+    assert fingerprint(method, path, query, body, content_type=content_type) == expected
+
+
+def test_a_content_type_gives_the_same_answer_from_the_cache_and_past_its_bound() -> None:
+    json_types = [b"application/vnd.t%d+json" % i for i in range(300)]  # past the bound
+    for content_type, expected in [*((t, True) for t in json_types), (b"text/t", False)]:
+        # The first call computes and remembers; the second answers from the cache.
+        assert (is_json(content_type), is_json(content_type)) == (expected, expected)
+    assert (is_json(b"Application/JSON; charset=utf-8"), is_json(b"application/xml")) == (
+        True,
+        False,
+    )

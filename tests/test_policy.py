@@ -267,3 +267,76 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
         lax_again = await c.post("http://lax.example/pay")
     assert (lax.status_code, strict.status_code, lax_again.status_code) == (201, 400, 201)
     assert calls == ["lax", "lax"]
+
+
+async def test_routes_added_inside_a_mount_after_the_first_request_are_resolved() -> None:
+    # The top-level route list keeps its length here; the Mount's list is what grows.
+    async def late(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(
+        routes=[Mount("/api", routes=[Route("/early", late, methods=["POST"])])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=MemoryStore(),
+                policies={"POST /api/late": Policy(required=True)},
+            )
+        ],
+    )
+    async with client(app) as c:
+        assert (await c.post("/api/late")).status_code == 404
+        mount = app.router.routes[0]
+        assert isinstance(mount, Mount)
+        mount.routes.append(Route("/late", late, methods=["POST"]))
+        assert (await c.post("/api/late")).status_code == 400  # now resolved, and required
+
+
+def _bare_ok() -> Callable[[Any, Any, Any], Awaitable[None]]:
+    async def ok(scope: Any, receive: Any, send: Any) -> None:
+        await JSONResponse({}, status_code=201)(scope, receive, send)
+
+    return ok
+
+
+async def test_settings_assigned_after_the_first_request_take_effect() -> None:
+    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore())
+    async with client(guard) as c:
+        assert (await c.post("/pay")).status_code == 201  # default policy: key optional
+        guard.policies = {"/pay": Policy(required=True)}
+        assert (await c.post("/pay")).status_code == 400
+        guard.policies = {}
+        guard.default_policy = Policy(required=True)
+        assert (await c.post("/pay")).status_code == 400
+        guard.methods = frozenset({"PATCH"})
+        assert (await c.post("/pay")).status_code == 201  # POST is no longer guarded
+    with pytest.raises(TypeError):
+        guard.policies["/pay"] = Policy()  # read-only: assign anew
+
+
+async def test_one_middleware_resolves_each_router_it_is_given_on_its_own() -> None:
+    # The same middleware object in front of two apps (scope["app"] differs): a path's
+    # cached answer for one router is not the other's.
+    @idempotent(required=True)
+    async def strict(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
+    async def lax(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
+    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore())
+    apps = {
+        name: Starlette(routes=[Route("/pay", endpoint, methods=["POST"])])
+        for name, endpoint in (("strict", strict), ("lax", lax))
+    }
+
+    async def front(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope["app"] = apps[dict(scope["headers"])[b"x-app"].decode()]
+        await guard(scope, receive, send)
+
+    async with client(front) as c:
+        for _ in range(2):
+            strict_status = (await c.post("/pay", headers={"x-app": "strict"})).status_code
+            lax_status = (await c.post("/pay", headers={"x-app": "lax"})).status_code
+            assert (strict_status, lax_status) == (400, 201)

@@ -1,5 +1,5 @@
-"""The response side: run the app with its response held back, store what may be replayed,
-and send a captured or a stored response.
+"""The response side: hold the app's response back while it runs (:class:`Captured`),
+keep what may be replayed, and send a stored response.
 
 The response start is held back until the whole response is known, so the guard can
 decide to complete or release the key before the client sees anything, and never
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .asgi import ASGIApp, Message, Receive, Scope, Send, send_response
-from .request import replay_body
+from .asgi import Message, Receive, Send, send_response
 from .stores.base import StoredResponse
 
-__all__ = ["run_captured", "send_captured", "send_replay", "storable_headers"]
+__all__ = ["Captured", "send_replay", "storable_headers"]
 
 # Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
 # Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
@@ -39,46 +38,49 @@ _REPLAYED = (b"idempotent-replayed", b"true")
 def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
     """The response headers that may be replayed to a later request with the same key."""
     kept: list[tuple[bytes, bytes]] = []
-    named: set[bytes] = set()
-    for name, value in headers:
+    named: set[bytes] | None = None
+    for header in headers:
+        name = header[0]
         lowered = name.lower()
         if lowered in _UNSTORED:
             if lowered == b"connection":  # the headers it names are hop-by-hop too
-                named.update(v.strip().lower() for v in value.split(b","))
+                named = named or set()
+                named.update(v.strip().lower() for v in header[1].split(b","))
             continue
-        kept.append((name, value))
+        kept.append(header if type(header) is tuple else (name, header[1]))
     if named:
         return tuple((n, v) for n, v in kept if n.lower() not in named)
     return tuple(kept)
 
 
-async def run_captured(
-    app: ASGIApp, scope: Scope, receive: Receive, body: bytes
-) -> tuple[Message, bytes]:
-    """Run ``app`` on the buffered ``body``; return its response start and whole body.
+class Captured:
+    """One run of the app: replays the buffered body to it and holds back its response.
 
-    Raises:
-        RuntimeError: the app returned without starting a response.
+    Its bound methods are the app's ``receive`` and ``send``: one object per request
+    where two closures and their cells would be three and more.
     """
-    start: Message | None = None
-    chunks: list[bytes] = []
 
-    async def capture(message: Message) -> None:
-        nonlocal start
-        if message["type"] == "http.response.start":
-            start = message
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
+    __slots__ = ("_receive", "body", "chunks", "pending", "start")
 
-    await app(scope, replay_body(body, receive), capture)
-    if start is None:
-        raise RuntimeError("the application returned without sending a response")
-    return start, b"".join(chunks)
+    def __init__(self, body: bytes, receive: Receive) -> None:
+        self.body, self._receive = body, receive
+        self.pending = True
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
 
+    async def receive(self) -> Message:
+        # As replay_body: the body once, then the server's own messages (http.disconnect).
+        if self.pending:
+            self.pending = False
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        return await self._receive()
 
-async def send_captured(send: Send, start: Message, content: bytes) -> None:
-    await send(start)
-    await send({"type": "http.response.body", "body": content, "more_body": False})
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message
+        elif kind == "http.response.body":
+            self.chunks.append(message.get("body", b""))
 
 
 async def send_replay(send: Send, response: StoredResponse) -> None:

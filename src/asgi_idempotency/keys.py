@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,6 +24,9 @@ MAX_KEY_LENGTH = 255
 # The common form, matched whole before the full parse below: a bare token of visible
 # ASCII, optional spaces or tabs around.
 _BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
+# Visible ASCII, for the commonest form of all: the bare token with nothing around it,
+# recognised by deleting these and finding nothing left (bytes.translate, one C call).
+_VISIBLE = bytes(range(0x21, 0x7F))
 
 # The principal a record belongs to; None or "" means anonymous. Sync or async.
 PrincipalFunc = Callable[[Scope], "Awaitable[str | None] | str | None"]
@@ -40,6 +42,8 @@ def parse_key(raw: bytes) -> str:
     Raises:
         InvalidKey: empty, too long, or outside printable ASCII.
     """
+    if 0 < len(raw) <= MAX_KEY_LENGTH and raw[0] != 0x22 and not raw.translate(None, _VISIBLE):
+        return raw.decode("ascii")  # what the match below gives for such a value
     bare = _BARE_TOKEN.fullmatch(raw)
     if bare is not None and raw[bare.start(1)] != 0x22:  # a leading quote is the quoted form
         return bare.group(1).decode("ascii")
@@ -95,15 +99,6 @@ def default_principal(scope: Scope) -> str | None:
         return str(user.identity)
     except NotImplementedError:
         return str(user.display_name)
-
-
-async def resolve_principal(func: PrincipalFunc, scope: Scope) -> str:
-    principal = func(scope)
-    if principal is None or type(principal) is str:
-        return principal or ""
-    if inspect.isawaitable(principal):
-        principal = await principal
-    return principal or ""
 
 
 def scoped_key(principal: str, key: str) -> str:

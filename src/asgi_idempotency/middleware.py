@@ -10,11 +10,13 @@ is :mod:`.lifecycle`; the store only does atomic primitives.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
@@ -25,11 +27,11 @@ from .errors import (
     StoreError,
     StoreUnavailable,
 )
-from .fingerprint import fingerprint
-from .keys import PrincipalFunc, default_principal, parse_key, resolve_principal, scoped_key
+from .fingerprint import fingerprint_after, request_prefix
+from .keys import PrincipalFunc, default_principal, parse_key, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer
-from .policy import Policy, RouteResolver, has_router, iter_endpoint_policies, lookup
+from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .request import guard_headers, read_body
 from .responder import GuardedRequest, Responder, Runtime
 from .stores.base import PreparedStore, Store, TransactionalStore, utcnow
@@ -41,6 +43,15 @@ _MISSING_KEY_DETAIL = (
     "This endpoint requires an Idempotency-Key header; generate one key "
     "per logical operation and send the same key on every retry."
 )
+
+
+class _Guard(NamedTuple):
+    """How requests to one path are guarded: decided once per path, then cached."""
+
+    policy: Policy
+    route: str  # the route template, the label of logs and metrics
+    prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
+    header_names: frozenset[bytes]  # the policy's, read here without a property call
 
 
 class IdempotencyMiddleware:
@@ -94,7 +105,7 @@ class IdempotencyMiddleware:
         self.clock = clock
         self.retry_after = retry_after
         self.prune_interval = prune_interval
-        self._resolve = RouteResolver()
+        self._resolve = RouteResolver(self._decide)
         self._observer = Observer(metrics)
         self._runtime = Runtime(
             app, store, clock=clock, fail_open=fail_open, retry_after=retry_after,
@@ -120,6 +131,40 @@ class IdempotencyMiddleware:
         """
         return self._observer.counts.snapshot()
 
+    # What decides whether a path is guarded, and how. Assigning any of them drops
+    # the answers cached per path; ``policies`` is read-only in place for that reason.
+    @property
+    def policies(self) -> Mapping[str, Policy]:
+        return self._policies
+
+    @policies.setter
+    def policies(self, value: Mapping[str, Policy]) -> None:
+        self._policies = MappingProxyType(dict(value))
+        self._forget_decisions()
+
+    @property
+    def default_policy(self) -> Policy:
+        return self._default_policy
+
+    @default_policy.setter
+    def default_policy(self, value: Policy) -> None:
+        self._default_policy = value
+        self._forget_decisions()
+
+    @property
+    def methods(self) -> frozenset[str]:
+        return self._methods
+
+    @methods.setter
+    def methods(self, value: frozenset[str]) -> None:
+        self._methods = frozenset(value)
+        self._forget_decisions()
+
+    def _forget_decisions(self) -> None:
+        resolve = self.__dict__.get("_resolve")  # absent while __init__ assigns the settings
+        if resolve is not None:
+            resolve.clear()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
@@ -127,24 +172,14 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
             await self.app(scope, receive, send)
             return
-        method = scope["method"]
-        resolved = self._resolve(scope)
-        if resolved is None and has_router(scope):
-            # The router will answer 404 or 405: no handler runs, nothing to guard.
+        guard = self._resolve(scope)
+        if guard is None:
             await self.app(scope, receive, send)
             return
-        policy = lookup(self.policies, method, resolved, scope["path"])
-        if policy is None and method in self.methods:
-            policy = self.default_policy
-        if policy is None or not policy.enabled:
-            await self.app(scope, receive, send)
-            return
-        # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
-        route = resolved.template if resolved is not None else "<unrouted>"
-        request = await self._read(policy, route, scope, receive, send)
+        request = await self._read(guard, scope, receive, send)
         if request is None:
             return
-        if not self._ready and not await self._ensure_ready(route, send):
+        if not self._ready and not await self._ensure_ready(guard.route, send):
             return
         await Responder(self._runtime, request, scope, receive, send).run()
 
@@ -189,10 +224,30 @@ class IdempotencyMiddleware:
         await self._prepare()
         self._ready, self._missing = True, None
 
+    def _decide(self, scope: Scope, resolved: ResolvedRoute | None, routed: bool) -> _Guard | None:
+        """How a request to this route is guarded, or ``None`` to let it through.
+
+        Depends only on the method, the path, the route and this middleware's
+        settings, so :class:`RouteResolver` caches it per path.
+        """
+        if resolved is None and routed:
+            # The router will answer 404 or 405: no handler runs, nothing to guard.
+            return None
+        method, path = scope["method"], scope["path"]
+        policy = lookup(self._policies, method, resolved, path)
+        if policy is None and method in self._methods:
+            policy = self._default_policy
+        if policy is None or not policy.enabled:
+            return None
+        # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
+        route = resolved.template if resolved is not None else "<unrouted>"
+        return _Guard(policy, route, request_prefix(method, path), policy.header_names)
+
     async def _read(
-        self, policy: Policy, route: str, scope: Scope, receive: Receive, send: Send
+        self, guard: _Guard, scope: Scope, receive: Receive, send: Send
     ) -> GuardedRequest | None:
         """The guarded request, or ``None`` once the request has been answered or let through."""
+        policy, route = guard.policy, guard.route
         observe = self._observer.outcome
         try:
             raw_key, content_type, declared_length = guard_headers(scope["headers"])
@@ -219,22 +274,20 @@ class IdempotencyMiddleware:
             return None
         if body is None:
             return None  # the client left while sending its body: nothing ran, nothing to answer
+        names = guard.header_names
         chosen = (
-            [(n.lower(), v) for n, v in scope["headers"] if n.lower() in policy.header_names]
-            if policy.header_names
-            else ()
+            [(n.lower(), v) for n, v in scope["headers"] if n.lower() in names] if names else ()
         )
-        request_hash = fingerprint(
-            scope["method"],
-            scope["path"],
-            scope.get("query_string", b""),
-            body,
-            content_type=content_type,
-            headers=chosen,
+        request_hash = fingerprint_after(
+            guard.prefix, scope.get("query_string", b""), body, content_type, chosen
         )
-        principal = await resolve_principal(self.principal, scope)
-        key = scoped_key(principal, client_key)
-        return GuardedRequest(key, principal, request_hash, policy, route, body)
+        # Called here, not through an async helper: most principal functions answer
+        # synchronously, and this spares the request a coroutine.
+        principal = self.principal(scope)
+        if principal is not None and type(principal) is not str and inspect.isawaitable(principal):
+            principal = await principal
+        key = scoped_key(principal or "", client_key)
+        return GuardedRequest(key, principal or "", request_hash, policy, route, body)
 
     def check_policies(self, app: Any = None) -> None:
         """Refuse transactional policies on a store that cannot honour them.

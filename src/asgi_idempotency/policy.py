@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from starlette.routing import Host, Match, Mount
 
@@ -207,21 +207,30 @@ def _expand(routes: Iterable[Any]) -> list[Any]:
     return list(flatten(list(routes)))
 
 
+def _routes_of(owner: Any) -> list[Any]:
+    """A router's or a Mount's routes as they are now ([] for a Mount of a bare app)."""
+    routes: list[Any] = getattr(owner, "routes", [])
+    return routes
+
+
 def has_router(scope: Scope) -> bool:
     """Whether the app in ``scope`` routes requests itself (Starlette, FastAPI)."""
     return getattr(scope.get("app"), "router", None) is not None
 
 
 class _Walk:
-    """One resolution; notes whether the answer depended on more than method and path."""
+    """One resolution; notes whether the answer depended on more than method and path,
+    and whose route lists it looked at (the router, the Mounts it entered) with their
+    lengths then, so a cached answer can tell that a route was added or removed since."""
 
     def __init__(self, expand: Callable[[list[Any]], list[Any]]) -> None:
         self.expand = expand
         self.cacheable = True
+        self.seen: list[tuple[Any, int]] = []
 
-    def __call__(
-        self, routes: list[Any], scope: dict[str, Any], prefix: str
-    ) -> ResolvedRoute | None:
+    def __call__(self, owner: Any, scope: dict[str, Any], prefix: str) -> ResolvedRoute | None:
+        routes = _routes_of(owner)
+        self.seen.append((owner, len(routes)))
         for route in self.expand(routes):
             original = getattr(route, "original_route", route)
             if isinstance(original, Host):
@@ -234,7 +243,7 @@ class _Walk:
                 continue
             if isinstance(original, (Mount, Host)):
                 sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
-                found = self(original.routes, {**scope, **child}, sub_prefix)
+                found = self(original, {**scope, **child}, sub_prefix)
                 if found is not None:
                     return found
                 continue
@@ -244,22 +253,41 @@ class _Walk:
         return None
 
 
-class RouteResolver:
-    """Finds the route the app's own router would run, memoised per (method, path).
+T = TypeVar("T")
+
+# What decides a request's answer from its route: (scope, the route the router would
+# run or None, whether the app has a router at all) -> the answer to cache.
+Decide = Callable[[Scope, "ResolvedRoute | None", bool], T]
+
+
+class RouteResolver(Generic[T]):
+    """Finds the route the app's own router would run, and caches what ``decide`` makes
+    of it per (router, method, root path, path).
 
     Walks ``scope["app"].router`` with Starlette's public ``matches`` protocol,
     into Mounts and FastAPI's nested included routers. Only a full match counts:
-    a 404 or 405 passes through unguarded because no handler runs. Answers are
-    cached per router, method and path (at most ``maxsize``, then the cache starts
-    over), and dropped when the router's route list changes length; apps with
-    Host routes are resolved afresh every time.
+    a 404 or 405 resolves to ``None`` because no handler runs. ``decide`` turns the
+    route into the caller's answer (the middleware's: policy, label, fingerprint
+    prefix), so that a repeated path costs one dict lookup and nothing else.
+
+    A cached answer is used only while every route list the walk looked at (the
+    router's, and those of the Mounts it entered) has the length it had then, so
+    a route added or removed anywhere on the way is seen on the next request. Apps
+    whose walk meets a Host route are resolved afresh every time, since the Host
+    header decides there. At most ``maxsize`` answers are kept, then the cache
+    starts over. Call :meth:`clear` when what ``decide`` reads changes.
     """
 
-    def __init__(self, maxsize: int = 4096) -> None:
+    def __init__(self, decide: Decide[T], maxsize: int = 4096) -> None:
         self.maxsize = maxsize
-        self._answers: dict[tuple[int, int, str, str, str], ResolvedRoute | None] = {}
+        self._decide = decide
+        # (id(router), method, root_path, path) -> (answer, router, [(route owner, len)])
+        self._answers: dict[tuple[int, str, str, str], tuple[T, Any, list[tuple[Any, int]]]] = {}
         # id(routes list) -> (the list, its length then, the flattened routes)
         self._flat: dict[int, tuple[list[Any], int, list[Any]]] = {}
+
+    def clear(self) -> None:
+        self._answers.clear()
 
     def _expand(self, routes: list[Any]) -> list[Any]:
         cached = self._flat.get(id(routes))
@@ -269,23 +297,32 @@ class RouteResolver:
         self._flat[id(routes)] = (routes, len(routes), flat)
         return flat
 
-    def __call__(self, scope: Scope) -> ResolvedRoute | None:
+    def __call__(self, scope: Scope) -> T:
         router = getattr(scope.get("app"), "router", None)
+        key = (id(router), scope["method"], scope.get("root_path", ""), scope["path"])
+        cached = self._answers.get(key)
+        # The router is compared as well as its id: a freed router's id can be reused.
+        if cached is not None and cached[1] is router:
+            for owner, length in cached[2]:
+                # Read again, not remembered: a Mount's routes are its app's current list.
+                if len(getattr(owner, "routes", ())) != length:
+                    break
+            else:
+                return cached[0]
         if router is None:
-            return None
-        routes = getattr(router, "routes", [])
-        key = (id(router), len(routes), scope["method"], scope.get("root_path", ""), scope["path"])
-        try:
-            return self._answers[key]
-        except KeyError:
-            pass
-        walk = _Walk(self._expand)
-        found = walk(list(routes), dict(scope), "")
-        if walk.cacheable:
-            if len(self._answers) >= self.maxsize:
-                self._answers.clear()
-            self._answers[key] = found
-        return found
+            answer = self._decide(scope, None, False)
+            seen: list[tuple[Any, int]] = []
+        else:
+            walk = _Walk(self._expand)
+            found = walk(router, dict(scope), "")
+            answer = self._decide(scope, found, True)
+            if not walk.cacheable:
+                return answer
+            seen = walk.seen
+        if len(self._answers) >= self.maxsize:
+            self._answers.clear()
+        self._answers[key] = (answer, router, seen)
+        return answer
 
 
 def iter_endpoint_policies(app: Any) -> list[Policy]:

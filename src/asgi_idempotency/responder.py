@@ -8,7 +8,7 @@ every request; the responder holds nothing else. One path runs both modes:
                        └─ ours ─► run the handler, captured ─► complete or release ─► send
 
 In the default mode the claim and the completion are separate statements on the
-store and a :class:`~.lease.LeaseRenewal` keeps the claim alive meanwhile. In
+store and :class:`~.lease.LeaseRenewals` keeps the claim alive meanwhile. In
 transactional mode they are statements of one store transaction, which the handler
 writes through too: releasing is rolling back, completing is committing.
 """
@@ -25,12 +25,12 @@ from typing import Any, NamedTuple, TypeVar
 
 from . import lifecycle
 from .asgi import ASGIApp, Receive, Scope, Send
-from .capture import run_captured, send_captured, send_replay, storable_headers
+from .capture import Captured, send_replay, storable_headers
 from .errors import KeyMismatch, RequestInProgress, StoreError, StoreUnavailable
-from .lease import LeaseRenewal
+from .lease import LeaseRenewals
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
-from .observer import Observer
+from .observer import Observer, logger
 from .policy import Policy
 from .request import replay_body
 from .stores.base import Store, StoredResponse, StoreTransaction, TransactionalStore
@@ -54,7 +54,8 @@ class GuardedRequest(NamedTuple):
 class Runtime:
     """What every request of one middleware shares: the app, the store and the settings."""
 
-    __slots__ = ("app", "background", "clock", "fail_open", "observer", "retry_after", "store")
+    __slots__ = ("app", "background", "clock", "fail_open", "observer", "renewals", "retry_after",
+                 "store")  # fmt: skip
 
     def __init__(
         self,
@@ -70,25 +71,22 @@ class Runtime:
         self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
         # Completions, releases and transaction closes that outlive a cancelled request.
         self.background: set[asyncio.Task[Any]] = set()
+        self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
 
-    async def finish(
-        self, make: Callable[[], Coroutine[Any, Any, T]], route: str, key: str, phase: str
-    ) -> T:
-        """Run a completion or release to the end, even if this request is cancelled.
+    def rerun(
+        self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
+    ) -> None:
+        """Run a completion or release again to the end, after a cancellation cut it short.
 
-        Awaited directly: no task and no extra loop turns on the common path. If a
-        cancellation interrupts it, the same statement runs again in a task of its
-        own, whose failure is logged under the request's route and key digest; both
-        are fenced by the claim's token, so a second run changes nothing a first one
-        that did land had not already done.
+        A completion or release is awaited directly: no task and no extra loop turns
+        on the common path. If a cancellation interrupts it, the caller hands the same
+        statement here, to run in a task of its own whose failure is logged under the
+        request's route and key digest; both are fenced by the claim's token, so a
+        second run changes nothing a first one that did land had not already done.
         """
-        try:
-            return await make()
-        except asyncio.CancelledError:
-            task = asyncio.ensure_future(make())
-            self._keep(task)
-            task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
-            raise
+        task = asyncio.ensure_future(make())
+        self._keep(task)
+        task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
@@ -103,11 +101,6 @@ class Runtime:
     def _log_failure(self, route: str, key: str, phase: str, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
             self.observer.store_error(route, key, phase, exc, after="cancelled")
-
-
-def new_token() -> str:
-    """A claim's fencing token: 128 random bits (what secrets.token_hex does, minus a call)."""
-    return os.urandom(16).hex()
 
 
 _MISMATCH_DETAIL = (
@@ -153,7 +146,7 @@ class Responder:
         rt, req = self.rt, self.req
         policy = req.policy
         now = rt.clock()
-        token = new_token()
+        token = os.urandom(16).hex()  # the fencing token: 128 random bits
         try:
             claim = await lifecycle.claim(
                 claimant,
@@ -175,29 +168,33 @@ class Responder:
 
         renewal = None
         if tx is None:
-            renewal = LeaseRenewal(
-                rt.store, req.key, token, lease=policy.lease, every=policy.renew_every,
-                clock=rt.clock, observer=rt.observer, route=req.route,
-            )  # fmt: skip
+            renewal = rt.renewals.start(req.key, token, policy.lease, policy.renew_every, req.route)
         else:
             self.scope.setdefault("state", {})["idempotency"] = tx.state
+        captured = Captured(req.body, self.receive)
         try:
-            start, content = await run_captured(rt.app, self.scope, self.receive, req.body)
+            await rt.app(self.scope, captured.receive, captured.send)
         except asyncio.CancelledError:
             # Cancelled part-way: the effect may or may not have happened. By default the
             # claim stays in progress until its lease ends rather than inviting a rerun;
             # in a transaction, closing it rolls back the claim and the writes together.
             if renewal is not None:
-                renewal.stop()
+                renewal.stop(token)
                 self._log(logging.WARNING, "idempotency.cancelled")
             raise
         except BaseException:
             if renewal is not None:
-                renewal.stop()
+                renewal.stop(token)
             await self._release(token, tx)
             raise
         if renewal is not None:
-            renewal.stop()
+            renewal.stop(token)
+        start = captured.start
+        if start is None:
+            # As if the app had raised: a retry may run it again.
+            await self._release(token, tx)
+            raise RuntimeError("the application returned without sending a response")
+        content = b"".join(captured.chunks)
 
         status: int = start["status"]
         if not lifecycle.completes(status):
@@ -210,17 +207,20 @@ class Responder:
             elif not await self._commit(tx, token, stored, expires_at):
                 return
             rt.observer.outcome(req.route, Outcome.EXECUTED)
-        await send_captured(self.send, start, content)
+        send = self.send  # sent here rather than through a helper: one coroutine fewer
+        await send(start)
+        await send({"type": "http.response.body", "body": content, "more_body": False})
 
     async def _complete(self, token: str, stored: StoredResponse, expires_at: datetime) -> None:
         store, key = self.rt.store, self.req.key
         try:
-            owned = await self.rt.finish(
-                lambda: store.complete(key, token, stored, expires_at=expires_at),
-                self.req.route,
-                key,
-                "complete",
-            )
+            owned = await store.complete(key, token, stored, expires_at=expires_at)
+        except asyncio.CancelledError:
+            # A partial, built only now: a lambda would give this function cells
+            # that every request pays for.
+            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
+            self.rt.rerun(again, self.req.route, key, "complete")
+            raise
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
             # response; the row stays in progress until its lease ends (README: guarantees).
@@ -257,7 +257,11 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key = self.rt.store, self.req.key
         try:
-            await self.rt.finish(lambda: store.release(key, token), self.req.route, key, "release")
+            await store.release(key, token)
+        except asyncio.CancelledError:
+            again = functools.partial(store.release, key, token)
+            self.rt.rerun(again, self.req.route, key, "release")
+            raise
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
 
@@ -281,14 +285,18 @@ class Responder:
         if claim.outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
-            self._log(
-                logging.INFO, "idempotency.replay", status=record.response.status,
-                outcome=Outcome.REPLAYED.value,
-            )  # fmt: skip
+            # Checked here as well as in Observer.log: the keywords are not even built
+            # when nobody listens at INFO, as is usual for every replay.
+            if logger.isEnabledFor(logging.INFO):
+                self._log(
+                    logging.INFO, "idempotency.replay", status=record.response.status,
+                    outcome=Outcome.REPLAYED.value,
+                )  # fmt: skip
             observer.outcome(route, Outcome.REPLAYED)
             await send_replay(self.send, record.response)
         elif claim.outcome is ClaimOutcome.MISMATCH:
-            self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
+            if logger.isEnabledFor(logging.INFO):
+                self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
             observer.outcome(route, Outcome.MISMATCH)
             await KeyMismatch(_MISMATCH_DETAIL).send(self.send)
         else:

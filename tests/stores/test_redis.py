@@ -299,7 +299,7 @@ async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
     await _wait_linked(replica)
     now = datetime.now(UTC)
     later = now + timedelta(hours=1)
-    store = RedisStore(primary.url, wait_replicas=1, wait_timeout=0.3)
+    store = RedisStore(primary.url, wait_replicas=1, wait_timeout=5)
     lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
     name = "idem:{" + "a" * 64 + "}"
     try:

@@ -1,0 +1,79 @@
+"""Instructions per request in process, under valgrind: ``python -m bench.icount``.
+
+Wall-clock figures from :mod:`bench.inprocess` move by tens of percent on a shared
+machine; instruction counts do not. Each cell (variant, workload) runs twice under
+``valgrind --tool=cachegrind --cache-sim=no``, with ``small`` and ``large`` requests
+after the same start-up and warm-up, and the difference in instructions divided by
+``large - small`` is the cost of one request, start-up cancelled out. The hash seed is
+fixed so that both runs take the same paths through dicts and sets.
+
+Instructions are not time (a cache miss costs no instruction), so a change is judged
+by both: this for the direction and size, ``bench.inprocess`` for the microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from bench import inprocess
+
+_IREFS = re.compile(rb"I\s+refs:\s+([\d,]+)")
+
+
+def _cell(variant: str, workload: str, n: int) -> None:
+    os.environ["BENCH_VARIANT"] = variant
+    from bench import app as bench_app
+
+    async def main() -> None:
+        asgi = bench_app.create()
+        async with asgi.router.lifespan_context(asgi):
+            await inprocess._measure(asgi, "fresh", 200)  # warm-up, as bench.inprocess does
+            await inprocess._measure(asgi, workload, n)
+
+    import uvloop
+
+    uvloop.run(main())  # the loop bench.inprocess and the HTTP benchmark run on
+
+
+def _instructions(variant: str, workload: str, n: int) -> int:
+    cmd = [
+        "valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+        sys.executable, "-m", "bench.icount", "--cell", variant, workload, str(n),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(cmd, env=env, capture_output=True, check=True)
+    found = _IREFS.search(done.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr.decode()}")
+    return int(found.group(1).replace(b",", b""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", type=int, default=1000, help="requests in the first run")
+    ap.add_argument("--large", type=int, default=3000, help="requests in the second run")
+    ap.add_argument("--variants", default=",".join(inprocess.VARIANTS))
+    ap.add_argument("--workloads", default="fresh,replay")
+    ap.add_argument("--cell", nargs=3, metavar=("VARIANT", "WORKLOAD", "N"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.cell:
+        variant, workload, n = args.cell
+        _cell(variant, workload, int(n))
+        return
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed (apt-get install valgrind)")
+    for workload in args.workloads.split(","):
+        for variant in args.variants.split(","):
+            small = _instructions(variant, workload, args.small)
+            large = _instructions(variant, workload, args.large)
+            per = (large - small) / (args.large - args.small)
+            print(f"{workload:7} {variant:13} {per:10.0f} instructions/request", flush=True)
+
+
+if __name__ == "__main__":
+    main()

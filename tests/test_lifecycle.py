@@ -1,0 +1,52 @@
+"""The record rules: judge() gives the answer state() implies, for every kind of row."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+
+from asgi_idempotency.lifecycle import ClaimOutcome, RecordState, judge, state_of
+from asgi_idempotency.stores.base import Record, RecordStatus, utcnow
+
+NOW = utcnow()
+SECOND = timedelta(seconds=1)
+
+# What each state means for a new request with the same fingerprint.
+SAME_REQUEST = {
+    RecordState.EXPIRED: ClaimOutcome.CLAIMED,
+    RecordState.COMPLETED: ClaimOutcome.COMPLETED,
+    RecordState.ABANDONED: ClaimOutcome.TAKEN_OVER,
+    RecordState.RUNNING: ClaimOutcome.IN_PROGRESS,
+}
+
+
+def expected(record: Record, request_hash: str) -> ClaimOutcome:
+    current = state_of(record, NOW)
+    if current is not RecordState.EXPIRED and record.request_hash != request_hash:
+        return ClaimOutcome.MISMATCH
+    return SAME_REQUEST[current]
+
+
+@pytest.mark.parametrize(
+    ("status", "expires_in", "locked_for", "request_hash"),
+    list(
+        itertools.product(
+            RecordStatus,
+            [-SECOND, timedelta(0), SECOND],
+            [-SECOND, timedelta(0), SECOND],
+            ["h", "x"],
+        )
+    ),
+)
+def test_judge_answers_as_the_state_of_the_row_says(
+    status: RecordStatus, expires_in: timedelta, locked_for: timedelta, request_hash: str
+) -> None:
+    # Deadlines exactly at now count as passed, as state_of() reads them.
+    record = Record("k", "h", status, "t", NOW - SECOND, NOW + locked_for, NOW + expires_in)
+    assert judge(record, request_hash, NOW) is expected(record, request_hash)
+
+
+def test_no_row_is_a_claim() -> None:
+    assert judge(None, "h", NOW) is ClaimOutcome.CLAIMED
