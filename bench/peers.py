@@ -50,8 +50,8 @@ PEER_DB = {name: i for i, name in enumerate(PEERS, start=1)}
 LABELS = {
     "peer_mobius": "mobius",
     "peer_pyidempotent": "pyidempotent",
-    "peer_fastapi_idempotency_key": "fastapi-idem-key",
-    "peer_fastidempotent": "fastidempotent",
+    "peer_fastapi_idempotency_key": "fastapi-idem",
+    "peer_fastidempotent": "fastidempot",
 }
 TTL_S = 24 * 3600
 
