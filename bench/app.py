@@ -12,7 +12,8 @@
   captures costs in front of this handler, with no store I/O at all;
 - ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
 - ``floor_redis``: the same guard on raw redis-py doing the same two commands (a claim
-  script and a complete script, ``EVALSHA`` each).
+  script and a complete script, ``EVALSHA`` each);
+- ``peer_*``: another library's Redis-backed guard on the same route (``bench/peers.py``).
 
 The handler does no I/O of its own, so the guard's cost is what the numbers show.
 ``BENCH_PG_URL`` (``postgresql://…``) and ``BENCH_SQLITE_PATH`` say where the stores live.
@@ -380,7 +381,7 @@ def create() -> Starlette:
         starters.append(backend.start)
         closers.append(backend.stop)
         middleware.append(Middleware(FloorGuard, backend=backend))
-    elif variant != "none":
+    elif variant != "none" and not variant.startswith("peer_"):
         raise ValueError(f"unknown BENCH_VARIANT {variant!r}")
 
     @asynccontextmanager
@@ -396,4 +397,8 @@ def create() -> Starlette:
         for close in closers:
             await close()
 
+    if variant.startswith("peer_"):  # another library's guard (bench/peers.py)
+        from bench import peers
+
+        return peers.create(variant, redis_url, lifespan)
     return Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asgi_idempotency._serve import UvicornProcess
+from bench import peers
 from bench.harness import HERE, log, prepare_postgres, run_wrk, start_server
 
 RESULTS = HERE / "results"
@@ -36,13 +37,15 @@ VARIANTS = [
 ]  # fmt: skip
 # Run only when named in --variants (a redis-server on PATH, or BENCH_REDIS_URL); the
 # default run, its targets and its chart stay the seven above.
-OPTIONAL = ["redis", "floor_redis"]
+# The peer_* variants are other libraries on the same redis-server (bench/peers.py),
+# pip-installed on demand into the running venv, never dependencies of the package.
+OPTIONAL = ["redis", "floor_redis", *peers.PEERS]
 WORKLOADS = ["fresh", "replay", "mix"]
 # The ÷floor column. The memory store's target is against no guard; its floor (the same
 # minimal guard on a dict) shows how much of the gap any buffering guard pays.
 FLOOR = {
     "pg": "floor_pg", "pg_batched": "floor_pg", "sqlite": "floor_sqlite", "memory": "floor_memory",
-    "redis": "floor_redis",
+    "redis": "floor_redis", **dict.fromkeys(peers.PEERS, "floor_redis"),
 }  # fmt: skip
 LABELS = {
     "none": "no guard",
@@ -55,6 +58,7 @@ LABELS = {
     "floor_sqlite": "floor, aiosqlite",
     "redis": "ours, Redis",
     "floor_redis": "floor, redis-py",
+    **{v: f"peer, {name}" for v, name in peers.LABELS.items()},
 }
 
 
@@ -237,7 +241,7 @@ def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
 
 
 def check_redis(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """The Redis target, when both Redis variants ran: >= 0.9x the raw redis-py floor."""
+    """The Redis targets that ran: >= 0.9x the raw redis-py floor, >= every peer measured."""
     checks: list[tuple[str, bool, str]] = []
     for workload in ("fresh", "replay"):
         if {"redis", "floor_redis"} <= set(table.get(workload, {})):
@@ -245,6 +249,15 @@ def check_redis(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
             checks.append(
                 (f"Redis {workload}: req/s >= 0.9x redis-py floor", r >= 0.9, f"{r:.2f}x")
             )
+        for peer in (p for p in peers.PEERS if {"redis", p} <= set(table.get(workload, {}))):
+            answered = table[workload][peer]["statuses"]
+            if set(answered) != {"201"}:  # not doing the workload (replays that are 422s)
+                log(f"note: peer {peers.LABELS[peer]} answered {answered} to {workload}; "
+                    "no target against it")  # fmt: skip
+                continue
+            r = paired_ratio(table, workload, "redis", peer)
+            name = f"Redis {workload}: req/s >= peer {peers.LABELS[peer]}"
+            checks.append((name, r >= 1.0, f"{r:.2f}x"))
     return checks
 
 
@@ -347,6 +360,10 @@ def main() -> None:
     variants = args.variants.split(",")
     workloads = args.workloads.split(",")
 
+    unknown = [v for v in variants if v not in VARIANTS + OPTIONAL]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; known: {', '.join(VARIANTS + OPTIONAL)}")
+    peers.ensure_installed(variants)
     wrk = ensure_wrk()
     admin_url = args.pg.rsplit("/", 1)[0] + "/postgres"
     asyncio.run(prepare_postgres(admin_url, args.pg))
