@@ -22,7 +22,8 @@ def log(msg: str) -> None:
 
 
 async def prepare_postgres(admin_url: str, url: str) -> None:
-    """Create database ``url`` if missing (through ``admin_url``), with the schema; empty it."""
+    """Create database ``url`` afresh (through ``admin_url``), with the schema and its
+    migration head recorded, as the middleware's startup check requires."""
     import asyncpg
 
     from asgi_idempotency import SQLStore
@@ -30,8 +31,9 @@ async def prepare_postgres(admin_url: str, url: str) -> None:
     dbname = url.rsplit("/", 1)[1]
     admin = await asyncpg.connect(admin_url)
     try:
-        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", dbname):
-            await admin.execute(f'CREATE DATABASE "{dbname}"')
+        # The benchmark's own database: dropped, so no table from an older layout stays.
+        await admin.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{dbname}"')
     finally:
         await admin.close()
     store = SQLStore(url.replace("postgresql://", "postgresql+asyncpg://", 1))
