@@ -18,7 +18,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import pytest
@@ -31,6 +31,9 @@ from starlette.applications import Starlette
 from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.lifecycle import Claim
 from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore
+
+if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
+    from asgi_idempotency.stores.redis import RedisStore
 
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
@@ -157,7 +160,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis server for the run: ``IDEMPOTENCY_TEST_REDIS_URL``, else one of our own."""
-    from tests.redis_servers import NO_REDIS, start_server
+    from bench.redis_servers import NO_REDIS, start_server
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL")
     if env:
@@ -176,7 +179,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis Cluster: ``IDEMPOTENCY_TEST_REDIS_CLUSTER``, else 3 + 3 nodes of our own."""
-    from tests.redis_servers import NO_REDIS, start_cluster
+    from bench.redis_servers import NO_REDIS, start_cluster
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_CLUSTER")
     if env:
@@ -230,6 +233,16 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
     url = request.getfixturevalue("pg_url" if postgres else "sqlite_url")
     async with emptied(SQLStore(url, batching=kind == "postgres_batched")) as sql:
         yield sql
+
+
+@pytest.fixture(params=["redis", "redis_cluster"])
+async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
+    """A :class:`RedisStore` on one server and on the cluster, for Redis-only tests."""
+    from asgi_idempotency.stores.redis import RedisStore
+
+    async with open_store(request, request.param) as opened:
+        assert isinstance(opened, RedisStore)
+        yield opened
 
 
 @pytest.fixture(params=STORE_KINDS)

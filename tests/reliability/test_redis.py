@@ -12,7 +12,6 @@ import asyncio
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import httpx
 import pytest
 
 from asgi_idempotency.stores.redis import RedisStore
+from bench.redis_servers import RedisCluster, RedisServer, redis_cli, start_cluster, start_server
 from tests.conftest import redis_store
-from tests.redis_servers import RedisCluster, RedisServer, redis_cli, start_cluster, start_server
 
 from ..serving import run_uvicorn
 from .apps import refund_app
@@ -34,17 +33,6 @@ PROBLEM = "application/problem+json"
 
 def _key(name: str) -> dict[str, str]:
     return {"Idempotency-Key": name}
-
-
-@pytest.fixture(params=["redis", "redis_cluster"])
-async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
-    fixture = "redis_cluster_url" if request.param == "redis_cluster" else "redis_url"
-    store = await redis_store(request.getfixturevalue(fixture))
-    assert isinstance(store, RedisStore)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def test_a_storm_of_100_same_key_requests_runs_the_handler_once(rstore: RedisStore) -> None:

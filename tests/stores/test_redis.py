@@ -7,7 +7,7 @@ fixture; these pin the rest, against real ``redis-server`` processes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,24 +21,12 @@ from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
 from asgi_idempotency.stores.redis import RedisStore
-from tests.conftest import redis_store
-from tests.redis_servers import RedisServer, redis_cli, start_server
+from bench.redis_servers import RedisServer, redis_cli, start_server
 from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')
-
-
-@pytest.fixture(params=["redis", "redis_cluster"])
-async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
-    fixture = "redis_cluster_url" if request.param == "redis_cluster" else "redis_url"
-    store = await redis_store(request.getfixturevalue(fixture))
-    assert isinstance(store, RedisStore)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 def _ports(store: RedisStore) -> list[int]:

@@ -1,4 +1,4 @@
-"""Real ``redis-server`` processes for the tests: one server, or a 3 + 3 cluster.
+"""Real ``redis-server`` processes for the tests and the benchmark: one server, or 3 + 3.
 
 Each server runs from the binary on PATH on a free loopback port, in a directory of
 its own, with persistence off (``--save "" --appendonly no``), and is stopped by its
