@@ -31,7 +31,7 @@ from asgi_idempotency.stores.postgres_batched import _FIELDS, BatchingPostgresDr
 from asgi_idempotency.stores.statements import PG_BATCHED
 from bench import pgwire
 from tests.conftest import truncate
-from tests.stores.test_round_trips import _drive, _proxied
+from tests.stores.test_round_trips import _proxied
 
 pytestmark = pytest.mark.anyio
 
@@ -548,31 +548,6 @@ async def proxied_batched(pg_url: str, wire: pgwire.WireCounter) -> AsyncIterato
         yield store
     finally:
         await store.close()
-
-
-@pg
-async def test_round_trips_one_at_a_time_are_todays(
-    pg_url: str, batched: SQLStore, wire: pgwire.WireCounter, tiny: Any
-) -> None:
-    store = SQLStore(_proxied(pg_url, wire.port), pool_size=1, batching=True)
-    try:
-        await _drive(tiny(store), wire.reset, "warm-up")
-        seen = await _drive(tiny(store), wire.reset, "counted")
-    finally:
-        await store.close()
-    trips = {name: len(rts) for name, rts in seen.items()}
-    assert trips == {
-        "fresh": 2,
-        "replay": 1,
-        "mismatch_422": 1,
-        "released_500": 2,
-        "unguarded_no_key": 0,
-        "unguarded_get": 0,
-        "in_flight_409": 1,
-    }, {name: [rt.verbs for rt in rts] for name, rts in seen.items()}
-    every = [rt for rts in seen.values() for rt in rts]
-    assert not any(v in ("BEGIN", "COMMIT", "ROLLBACK") for rt in every for v in rt.verbs)
-    assert all(len(rt.executed) == 1 for rt in every)  # one statement per round trip
 
 
 @pg

@@ -72,12 +72,14 @@ def _proxied(pg_url: str, port: int) -> str:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("batching", [False, True], ids=["per-request", "batched"])
 async def test_postgres_round_trips_per_outcome(
-    pg_url: str, pg_store: SQLStore, wire: pgwire.WireCounter, tiny: TinyFactory
+    pg_url: str, pg_store: SQLStore, wire: pgwire.WireCounter, tiny: TinyFactory, batching: bool
 ) -> None:
     # pg_store empties the tables; the store under test talks through the proxy, with
     # one pooled connection so that its statements are prepared once, in the warm-up.
-    store = SQLStore(_proxied(pg_url, wire.port), pool_size=1)
+    # Batched, one request at a time is a batch of one: the same one-row statements.
+    store = SQLStore(_proxied(pg_url, wire.port), pool_size=1, batching=batching)
     try:
         await _drive(tiny(store), wire.reset, "warm-up")  # connect, introspect, prepare
         seen = await _drive(tiny(store), wire.reset, "counted")
@@ -102,6 +104,7 @@ async def test_postgres_round_trips_per_outcome(
     every = [rt for rts in seen.values() for rt in rts]
     assert not any(v in ("BEGIN", "COMMIT", "ROLLBACK") for rt in every for v in rt.verbs)
     assert not any(rt.prepared for rt in every)  # prepared once per connection, then reused
+    assert all(len(rt.executed) == 1 for rt in every)  # one statement per round trip
 
 
 @pytest.mark.postgres
