@@ -1,11 +1,15 @@
 """Scale checks for ``python -m bench.run --scale`` (slow: fills 10 million rows).
 
 1. Fresh-key p50 with an empty table, then with 10M rows (generated in SQL, 1M of them
-   expired): target within 1.2x.
+   expired): target within 1.1x (issue #14).
 2. Fresh-key p99 while ``prune`` deletes the 1M expired rows in batches of 1000, against
-   the same load without prune: target within 2x.
+   the same load without prune: target within 1.5x.
+
+Both baselines are settled: measured after a warm-up and a ``CHECKPOINT``, and the
+no-prune p99 is the lower of a window before and one after the prune.
 
 Uses its own database (``<db>_scale``) and the ``pg`` variant of ``bench/app.py``.
+Alone: ``python -m bench.scale`` (or with the rest: ``python -m bench.run --scale``).
 """
 
 from __future__ import annotations
@@ -51,8 +55,16 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
             wrk, server, "fresh", duration=seconds, connections=connections, threads=threads
         )
 
+    async def checkpoint() -> None:
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("CHECKPOINT", timeout=600)
+        finally:
+            await conn.close()
+
     with harness.start_server("pg", env, log_dir) as server:
-        load(server, 2)
+        load(server, 5)
+        asyncio.run(checkpoint())
         empty = load(server, 10)
         harness.log(f"scale: empty table      p50 {empty['p50_us'] / 1000:.2f} ms")
 
@@ -109,8 +121,8 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
     p50_ratio = full["p50_us"] / empty["p50_us"]
     p99_ratio = during["p99_us"] / base["p99_us"]
     checks = [
-        ("scale: fresh p50 at 10M rows <= 1.2x empty", p50_ratio <= 1.2, p50_ratio),
-        ("scale: p99 during 1M-row prune <= 2x no prune", p99_ratio <= 2.0, p99_ratio),
+        ("scale: fresh p50 at 10M rows <= 1.1x empty", p50_ratio <= 1.1, p50_ratio),
+        ("scale: p99 during 1M-row prune <= 1.5x no prune", p99_ratio <= 1.5, p99_ratio),
     ]
     for name, ok, value in checks:
         harness.log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value:.2f}x")
@@ -126,3 +138,27 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
         targets=[{"target": n, "pass": ok, "value": f"{v:.2f}x"} for n, ok, v in checks],
     )
     return out
+
+
+def main() -> None:
+    import argparse
+    import json
+    import os
+
+    from bench.run import RESULTS, ensure_wrk
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--pg",
+        default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/bench_idem"),
+    )
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    out = run(args.pg, ensure_wrk(), connections=args.connections, threads=args.threads)
+    out["date"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    (RESULTS / "scale.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
