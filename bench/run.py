@@ -41,6 +41,10 @@ VARIANTS = [
 # pip-installed on demand into the running venv, never dependencies of the package.
 OPTIONAL = ["redis", "floor_redis", *peers.PEERS]
 WORKLOADS = ["fresh", "replay", "mix"]
+# Fresh keys from one wrk connection: one request at a time, where batching must add
+# no latency. Run for these variants only, in every round.
+C1 = "fresh-c1"
+C1_VARIANTS = ("pg", "pg_batched", "floor_pg")
 # The ÷floor column. The memory store's target is against no guard; its floor (the same
 # minimal guard on a dict) shows how much of the gap any buffering guard pays.
 FLOOR = {
@@ -191,6 +195,7 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, A
             "p99_ms": statistics.median(r["p99_us"] for r in runs) / 1000,
             "rounds": [round(r["rps"]) for r in runs],
             "p99_rounds_ms": [r["p99_us"] / 1000 for r in runs],
+            "p50_rounds_ms": [r["p50_us"] / 1000 for r in runs],
             "statuses": statuses,
             "socket_errors": sum(r["socket_errors"] for r in runs),
         }
@@ -234,9 +239,14 @@ def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
     for workload in WORKLOADS:
         r = ratio(workload, "pg_batched", "floor_pg", "p99_rounds_ms")
         checks.append((f"PG batched {workload}: p99 <= floor's", r <= 1.0, f"{r:.2f}x"))
-    for workload in WORKLOADS:
-        r = ratio(workload, "memory", "none")
-        checks.append((f"memory {workload}: req/s >= 0.8x no guard", r >= 0.8, f"{r:.2f}x"))
+    if {"pg_batched", "floor_pg"} <= set(table.get(C1, {})):
+        r = ratio(C1, "pg_batched", "floor_pg", "p50_rounds_ms")
+        checks.append(("PG batched p50 at 1 connection <= 1.1x floor's", r <= 1.1, f"{r:.2f}x"))
+    # Restated in #14: against the same minimal guard on a dict, not against no guard
+    # (below the floor of any guard that buffers and captures in Python).
+    for workload in ("fresh", "mix"):
+        r = ratio(workload, "memory", "floor_memory")
+        checks.append((f"memory {workload}: req/s >= 0.9x dict floor", r >= 0.9, f"{r:.2f}x"))
     return checks
 
 
@@ -265,7 +275,7 @@ def print_table(table: dict[str, Any]) -> None:
     log("")
     log(f"{'workload':8} {'variant':18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'÷floor':>7} {'÷none':>7}  rounds (req/s)        statuses")  # fmt: skip
-    for workload in (w for w in WORKLOADS if w in table):
+    for workload in (w for w in [*WORKLOADS, C1] if w in table):
         row = table[workload]
         for variant in (v for v in VARIANTS + OPTIONAL if v in row):
             c = row[variant]
@@ -417,6 +427,17 @@ def main() -> None:
                     log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
                         f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
+            c1 = [v for v in C1_VARIANTS if v in variants]
+            if "fresh" in workloads:
+                for variant in c1 if rnd % 2 == 0 else c1[::-1]:
+                    result = run_wrk(
+                        wrk, servers[variant], "fresh",
+                        duration=args.duration, connections=1, threads=1,
+                    )  # fmt: skip
+                    cells.setdefault((C1, variant), []).append(result)
+                    asyncio.run(settle_postgres(args.pg))
+                    log(f"round {rnd + 1}/{args.rounds} {C1} {variant:12} "
+                        f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms")
 
     table = summarize(cells)
     trips = asyncio.run(count_round_trips(args.pg))
