@@ -98,6 +98,28 @@ async def test_prune_all_rejects_a_zero_batch() -> None:
         await prune_all(MemoryStore(), batch_size=0)
 
 
+@pytest.mark.postgres
+async def test_a_prune_skips_a_row_another_transaction_holds_and_deletes_the_rest(
+    pg_store: SQLStore,
+) -> None:
+    await fill_small(pg_store, expired=4, live=1)
+    held = k("e0")
+    async with pg_store.engine.connect() as other:
+        # What a transactional take-over of an expired key holds while its handler runs.
+        await other.execute(
+            text("SELECT 1 FROM idempotency_records WHERE key = :key FOR UPDATE"), {"key": held}
+        )
+        # Skipped, not waited on: a prune that waited would block until this rolls back.
+        deleted = await asyncio.wait_for(pg_store.prune(now=NOW, batch_size=1000), timeout=10)
+        assert deleted == 3
+        assert await pg_store.get(held) is not None
+        await other.rollback()
+    assert await pg_store.prune(now=NOW, batch_size=1000) == 1
+    assert await pg_store.get(held) is None
+    assert await count_expired(pg_store, now=NOW) == 0
+    assert await pg_store.get(k("l0")) is not None
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 async def sql_store(request: pytest.FixtureRequest) -> AsyncIterator[SQLStore]:
     """The SQL stores only, each empty (stats read the table; the memory store has none)."""
@@ -303,7 +325,7 @@ async def test_claims_keep_answering_while_a_million_expired_rows_are_pruned(
             row[0]
             for row in await conn.execute(
                 text(
-                    "EXPLAIN SELECT key FROM idempotency_records WHERE expires_at <= :cutoff "
+                    "EXPLAIN SELECT ctid FROM idempotency_records WHERE expires_at <= :cutoff "
                     "LIMIT 1000 FOR UPDATE SKIP LOCKED"
                 ),
                 {"cutoff": now - timedelta(hours=24, minutes=59)},

@@ -314,7 +314,7 @@ class SQLStore:
         return int(rows[0][0])
 
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
-        stmt = prune_statement(now, batch_size, skip_locked=self.dialect == "postgresql")
+        stmt = prune_statement(now, batch_size, postgres=self.dialect == "postgresql")
         try:
             async with self._autocommit.connect() as conn:
                 result = await conn.execute(stmt)
