@@ -115,11 +115,6 @@ def _time(raw: bytes) -> datetime:
     return _EPOCH + timedelta(microseconds=int(raw))
 
 
-def _ttl_ms(until: datetime, since: datetime) -> int:
-    """The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it)."""
-    return max(1, -(-(_us(until) - _us(since)) // 1000))
-
-
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
 _COMPLETED = RecordStatus.COMPLETED.value
 _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
@@ -129,12 +124,18 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # retries a command after a dropped connection): report the write as ours rather
 # than as somebody else's row. This is transport idempotency, not a lifecycle rule.
 
-# KEYS[1] record; ARGV h, token, created, locked, expires, ttl_ms.
+# A claim's four numbers travel as one argument, "created locked expires ttl_ms"
+# (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
+# splits the string for next to nothing.
+_TIMES = "^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$"
+
+# KEYS[1] record; ARGV h, token, "created locked expires ttl_ms".
 # Returns 0 when written, else the row in the way as [meta, h, t, rh, rb], where meta
 # is "s c l e rs" in one string (fields that are ours and never hold a space; rs empty
 # while in progress): five bulk replies to parse instead of nine, which is most of a
 # replay's client-side cost in redis-py's pure-Python parser (see _claimed).
 _INSERT = """
+local c, l, e, ttl = string.match(ARGV[3], '""" + _TIMES + """')
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
   if row[3] == ARGV[2] then return 0 end
@@ -142,21 +143,22 @@ if row[1] then
           row[1], row[3], row[8], row[9]}
 end
 redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2],
-           'c', ARGV[3], 'l', ARGV[4], 'e', ARGV[5])
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
+           'c', c, 'l', l, 'e', e)
+redis.call('PEXPIRE', KEYS[1], ttl)
 return 0
 """
 
-# KEYS[1]; ARGV old token, old status, old locked_until, h, token, created, locked,
-# expires, ttl_ms. Compare-and-swap on the row as read: 1 if swapped.
+# KEYS[1]; ARGV old token, old status, old locked_until, h, token,
+# "created locked expires ttl_ms". Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = """
+local c, l, e, ttl = string.match(ARGV[6], '""" + _TIMES + """')
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
 if row[1] == ARGV[5] then return 1 end
 if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'h', ARGV[4], 's', 'in_progress', 't', ARGV[5],
-           'c', ARGV[6], 'l', ARGV[7], 'e', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
+           'c', c, 'l', l, 'e', e)
+redis.call('PEXPIRE', KEYS[1], ttl)
 return 1
 """
 
@@ -377,14 +379,10 @@ class RedisStore:
     # The hot path: one script call each.
 
     def _claim_args(self, new: NewClaim) -> list[Any]:
-        return [
-            new.request_hash,
-            new.token,
-            _us(new.now),
-            _us(new.locked_until),
-            _us(new.expires_at),
-            _ttl_ms(new.expires_at, new.now),
-        ]
+        created, expires = _us(new.now), _us(new.expires_at)
+        # The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it).
+        ttl = max(1, -(-(expires - created) // 1000))
+        return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
         row = await self._run(self._insert, new.key, self._claim_args(new))
