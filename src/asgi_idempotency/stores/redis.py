@@ -5,8 +5,8 @@ sha256 hex digest of principal and client key, so the raw client key never reach
 Redis, and the braces (a hash tag) put every key of a record in one cluster slot, so
 each script touches one slot and the slot is decided by the digest alone.
 
-Every hot-path primitive is one Lua script (``EVALSHA``, reloaded on ``NOSCRIPT`` by
-redis-py's ``Script``), so each is atomic on the server and one round trip:
+Every hot-path primitive is one Lua script (``EVALSHA``, reloaded on ``NOSCRIPT``), so
+each is atomic on the server and one round trip:
 
 ==========  ===============================================================
 insert      absent: write the claim, ``PEXPIRE`` its ttl; present: return it
@@ -326,11 +326,22 @@ class RedisStore:
             async with asyncio.timeout(self._timeout):
                 if self._wait:
                     return await self._run_and_wait(script, key, args)
-                return await script(keys=[self._key(key)], args=args)
+                return await self._evalsha(script, self._key(key), args)
         except StoreError:
             raise
         except Exception as exc:
             raise translate(exc) from exc
+
+    async def _evalsha(self, script: AsyncScript, rkey: str, args: Sequence[Any]) -> Any:
+        # What AsyncScript.__call__ does, without its three layers of calls (evalsha,
+        # _evalsha), tuple copies and per-call import: EVALSHA, and on NOSCRIPT (a
+        # flushed or restarted server) SCRIPT LOAD and once more.
+        execute = self.client.execute_command
+        try:
+            return await execute("EVALSHA", script.sha, 1, rkey, *args)
+        except rexc.NoScriptError:
+            script.sha = await self.client.script_load(script.script)
+            return await execute("EVALSHA", script.sha, 1, rkey, *args)
 
     async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         # WAIT counts the replicas that have *this connection's* writes, so it must go on
