@@ -9,16 +9,24 @@ fixed so that both runs take the same paths through dicts and sets.
 
 Instructions are not time (a cache miss costs no instruction), so a change is judged
 by both: this for the direction and size, ``bench.inprocess`` for the microseconds.
+
+The Redis variants (``--variants redis,floor_redis``) run against ``BENCH_REDIS_URL``,
+or, unset, a throwaway ``redis-server`` (:mod:`bench.redis_server`) started for the
+whole comparison. Only the app process is counted: the server's own work per script
+is not, so compare the scripts' server-side cost separately.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from bench import inprocess
 
@@ -67,6 +75,16 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
+    with contextlib.ExitStack() as stack:
+        if "redis" in args.variants and not os.environ.get("BENCH_REDIS_URL"):
+            from bench.redis_server import redis_server
+
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="icount-redis-"))
+            os.environ["BENCH_REDIS_URL"] = stack.enter_context(redis_server(Path(tmp)))
+        _compare(args)
+
+
+def _compare(args: argparse.Namespace) -> None:
     for workload in args.workloads.split(","):
         for variant in args.variants.split(","):
             small = _instructions(variant, workload, args.small)

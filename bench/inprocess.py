@@ -5,6 +5,10 @@ at a time, in the variants that need no database (no guard, the dict floor, ours
 the memory store), and prints microseconds per request for fresh keys and replays.
 Alternating rounds, median shown. What it isolates is Python work per request; the
 HTTP benchmark adds the server, the network and concurrency.
+
+The Redis variants (``redis``, ``floor_redis``) are not in :data:`VARIANTS`: they need
+``BENCH_REDIS_URL``; ``python -m bench.icount --variants redis,floor_redis`` runs them
+through :func:`_measure` against a throwaway ``redis-server``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ fixture; these pin the rest, against real ``redis-server`` processes.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -230,6 +233,48 @@ async def test_an_unreachable_server_is_a_store_error_and_a_503(
         assert app.calls == {}
     finally:
         await store.close()
+
+
+async def test_a_hung_server_is_a_store_error_within_the_command_timeout(
+    tmp_path: Path, tiny: Any
+) -> None:
+    """A server that accepts and never answers (SIGSTOP): StoreError and 503 within
+    command_timeout, then a working store again once it answers."""
+    server = start_server(tmp_path / "hung")
+    store = RedisStore(server.url, command_timeout=0.5)
+    try:
+        assert await store.get("a" * 64) is None  # connected before the hang
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for call in (
+                store.get("a" * 64),
+                store.insert(NewClaim("b" * 64, "h", "t", *_claim_times())),
+                store.complete("b" * 64, "t", RESPONSE, expires_at=_claim_times()[2]),
+            ):
+                started = time.monotonic()
+                with pytest.raises(StoreError):
+                    await call
+                took = time.monotonic() - started
+                assert took < 1.2  # command_timeout, not one timeout per retry
+            app = tiny(store)
+            async with app.client() as c:
+                r = await c.post("/pay", json={}, headers={"Idempotency-Key": "hung"})
+            assert r.status_code == 503
+            assert app.calls == {}
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        # The timed-out connections were dropped, not left with a reply in flight.
+        new = NewClaim("c" * 64, "h", "t", *_claim_times())
+        assert await store.insert(new) is None
+        assert (await store.get("c" * 64)) is not None
+    finally:
+        await store.close()
+        server.stop()
+
+
+def _claim_times() -> tuple[datetime, datetime, datetime]:
+    now = datetime.now(UTC)
+    return now, now + timedelta(seconds=30), now + timedelta(hours=1)
 
 
 async def test_fail_open_runs_the_handler_unguarded_when_redis_is_down(

@@ -5,8 +5,8 @@ sha256 hex digest of principal and client key, so the raw client key never reach
 Redis, and the braces (a hash tag) put every key of a record in one cluster slot, so
 each script touches one slot and the slot is decided by the digest alone.
 
-Every hot-path primitive is one Lua script (``EVALSHA``, reloaded on ``NOSCRIPT`` by
-redis-py's ``Script``), so each is atomic on the server and one round trip:
+Every hot-path primitive is one Lua script (``EVALSHA``, reloaded on ``NOSCRIPT``), so
+each is atomic on the server and one round trip:
 
 ==========  ===============================================================
 insert      absent: write the claim, ``PEXPIRE`` its ttl; present: return it
@@ -84,8 +84,9 @@ def translate(exc: BaseException) -> StoreError:
 _T = TypeVar("_T")
 
 
-async def _call(op: Awaitable[_T]) -> _T:
-    """Await a redis-py call; whatever it raises becomes :class:`StoreError`.
+async def _call(op: Awaitable[_T], within: float | None = None) -> _T:
+    """Await a redis-py call, for at most ``within`` seconds; whatever it raises (a timeout
+    included) becomes :class:`StoreError`.
 
     Not only :data:`DRIVER_ERRORS`: ``op`` is the driver's code alone (no decoding of
     ours runs inside it), and a driver that fails in an undocumented way (redis-py
@@ -93,7 +94,8 @@ async def _call(op: Awaitable[_T]) -> _T:
     connects) still could not answer, which is a 503, not a 500.
     """
     try:
-        return await op
+        async with asyncio.timeout(within):
+            return await op
     except StoreError:
         raise
     except Exception as exc:
@@ -115,11 +117,6 @@ def _time(raw: bytes) -> datetime:
     return _EPOCH + timedelta(microseconds=int(raw))
 
 
-def _ttl_ms(until: datetime, since: datetime) -> int:
-    """The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it)."""
-    return max(1, -(-(_us(until) - _us(since)) // 1000))
-
-
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
 _COMPLETED = RecordStatus.COMPLETED.value
 _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
@@ -129,30 +126,39 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # retries a command after a dropped connection): report the write as ours rather
 # than as somebody else's row. This is transport idempotency, not a lifecycle rule.
 
-# KEYS[1] record; ARGV h, token, created, locked, expires, ttl_ms.
-# Returns 0 when written, else the row in the way (HMGET of _FIELDS).
+# A claim's four numbers travel as one argument, "created locked expires ttl_ms"
+# (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
+# splits the string for next to nothing.
+# KEYS[1] record; ARGV h, token, "created locked expires ttl_ms".
+# Returns 0 when written, else the row in the way as [meta, h, t, rh, rb], where meta
+# is "s c l e rs" in one string (fields that are ours and never hold a space; rs empty
+# while in progress): five bulk replies to parse instead of nine, which is most of a
+# replay's client-side cost in redis-py's pure-Python parser (see _claimed).
 _INSERT = """
+local c, l, e, ttl = string.match(ARGV[3], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
   if row[3] == ARGV[2] then return 0 end
-  return row
+  return {row[2] .. ' ' .. row[4] .. ' ' .. row[5] .. ' ' .. row[6] .. ' ' .. (row[7] or ''),
+          row[1], row[3], row[8], row[9]}
 end
 redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2],
-           'c', ARGV[3], 'l', ARGV[4], 'e', ARGV[5])
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
+           'c', c, 'l', l, 'e', e)
+redis.call('PEXPIRE', KEYS[1], ttl)
 return 0
 """
 
-# KEYS[1]; ARGV old token, old status, old locked_until, h, token, created, locked,
-# expires, ttl_ms. Compare-and-swap on the row as read: 1 if swapped.
+# KEYS[1]; ARGV old token, old status, old locked_until, h, token,
+# "created locked expires ttl_ms". Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = """
+local c, l, e, ttl = string.match(ARGV[6], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
 if row[1] == ARGV[5] then return 1 end
 if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'h', ARGV[4], 's', 'in_progress', 't', ARGV[5],
-           'c', ARGV[6], 'l', ARGV[7], 'e', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
+           'c', c, 'l', l, 'e', e)
+redis.call('PEXPIRE', KEYS[1], ttl)
 return 1
 """
 
@@ -263,9 +269,14 @@ class RedisStore:
             raise ValueError("command_timeout must be a positive number of seconds")
         if wait_replicas < 0 or wait_timeout <= 0:
             raise ValueError("wait_replicas must be >= 0 and wait_timeout > 0")
+        # The deadline of every call on a single-server client we built (see _make_client
+        # for why it is ours and not redis-py's socket_timeout); None: the client's own.
+        self._timeout: float | None = None
         if isinstance(url_or_client, str):
             self.client: _Client = _make_client(url_or_client, command_timeout)
             self._owns_client = True
+            if not isinstance(self.client, RedisCluster):
+                self._timeout = command_timeout
         else:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
@@ -311,9 +322,26 @@ class RedisStore:
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         if self._cold:
             await self._warm()
-        if self._wait:
-            return await _call(self._run_and_wait(script, key, args))
-        return await _call(script(keys=[self._key(key)], args=args))
+        try:  # _call, inlined: one coroutine fewer per command on the hot path
+            async with asyncio.timeout(self._timeout):
+                if self._wait:
+                    return await self._run_and_wait(script, key, args)
+                return await self._evalsha(script, self._key(key), args)
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise translate(exc) from exc
+
+    async def _evalsha(self, script: AsyncScript, rkey: str, args: Sequence[Any]) -> Any:
+        # What AsyncScript.__call__ does, without its three layers of calls (evalsha,
+        # _evalsha), tuple copies and per-call import: EVALSHA, and on NOSCRIPT (a
+        # flushed or restarted server) SCRIPT LOAD and once more.
+        execute = self.client.execute_command
+        try:
+            return await execute("EVALSHA", script.sha, 1, rkey, *args)
+        except rexc.NoScriptError:
+            script.sha = await self.client.script_load(script.script)
+            return await execute("EVALSHA", script.sha, 1, rkey, *args)
 
     async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         # WAIT counts the replicas that have *this connection's* writes, so it must go on
@@ -373,18 +401,14 @@ class RedisStore:
     # The hot path: one script call each.
 
     def _claim_args(self, new: NewClaim) -> list[Any]:
-        return [
-            new.request_hash,
-            new.token,
-            _us(new.now),
-            _us(new.locked_until),
-            _us(new.expires_at),
-            _ttl_ms(new.expires_at, new.now),
-        ]
+        created, expires = _us(new.now), _us(new.expires_at)
+        # The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it).
+        ttl = max(1, -(-(expires - created) // 1000))
+        return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
         row = await self._run(self._insert, new.key, self._claim_args(new))
-        return None if row == 0 else _record(new.key, row)
+        return None if row == 0 else _claimed(new.key, row)
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
         old = [expected.token, expected.status.value, _us(expected.locked_until)]
@@ -408,18 +432,23 @@ class RedisStore:
     async def get(self, key: str) -> Record | None:
         if self._cold:
             await self._warm()
-        row = await _call(self.client.hmget(self._key(key), _FIELDS))
+        row = await _call(self.client.hmget(self._key(key), _FIELDS), self._timeout)
         return None if row[0] is None else _record(key, row)
 
     async def _scan(self, match: str) -> AsyncIterator[bytes]:
         # On a cluster redis-py's scan_iter walks every primary.
         if self._cold:
             await self._warm()
-        try:
-            async for name in self.client.scan_iter(match=match, count=_SCAN_COUNT):
-                yield name
-        except Exception as exc:  # as in _call: the iteration is the driver's alone
-            raise translate(exc) from exc
+        names = aiter(self.client.scan_iter(match=match, count=_SCAN_COUNT))
+        while True:
+            try:  # as in _call, each step: the iteration is the driver's alone
+                async with asyncio.timeout(self._timeout):
+                    name = await anext(names)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                raise translate(exc) from exc
+            yield name
 
     async def _batches(self, match: str) -> AsyncIterator[list[bytes]]:
         batch: list[bytes] = []
@@ -436,7 +465,7 @@ class RedisStore:
         pipe: Any = self.client.pipeline(transaction=False)
         for name in names:
             pipe.hmget(name, fields)
-        return cast(list[list[Any]], await _call(pipe.execute()))
+        return cast(list[list[Any]], await _call(pipe.execute(), self._timeout))
 
     async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
         names: list[bytes] = []
@@ -490,7 +519,7 @@ class RedisStore:
         # Pipelined EVALSHA does not reload a missing script: load it first (every
         # primary, on a cluster).
         script = self._prune
-        script.sha = await _call(self.client.script_load(script.script))
+        script.sha = await _call(self.client.script_load(script.script), self._timeout)
         async for batch in self._batches(f"{self._match}*"):
             rows = await self._fields(batch, "e")
             due = [n for n, (e,) in zip(batch, rows, strict=True) if e is not None and int(e) <= at]
@@ -499,7 +528,7 @@ class RedisStore:
                 pipe: Any = self.client.pipeline(transaction=False)
                 for name in due:
                     pipe.execute_command("EVALSHA", script.sha, 1, name, at)
-                deleted += sum(await _call(pipe.execute()))
+                deleted += sum(await _call(pipe.execute(), self._timeout))
             if deleted >= batch_size:
                 break
         return deleted
@@ -515,6 +544,16 @@ class RedisStore:
 def _record(key: str, row: Sequence[Any]) -> Record:
     h, s, t, c, lu, e, rs, rh, rb = row
     response = None if rs is None else StoredResponse(int(rs), decode_headers(rh), bytes(rb))
+    return Record(
+        key, h.decode(), STATUS_OF[s.decode()], t.decode(), _time(c), _time(lu), _time(e), response
+    )
+
+
+def _claimed(key: str, row: Sequence[Any]) -> Record:
+    """The row in an insert's way, from ``_INSERT``'s ``[meta, h, t, rh, rb]``."""
+    meta, h, t, rh, rb = row
+    s, c, lu, e, rs = meta.split(b" ")
+    response = StoredResponse(int(rs), decode_headers(rh), bytes(rb)) if rs else None
     return Record(
         key, h.decode(), STATUS_OF[s.decode()], t.decode(), _time(c), _time(lu), _time(e), response
     )
@@ -536,4 +575,14 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     }
     if cluster:
         return RedisCluster.from_url(redis_url, **options)
+    # One server: no socket_timeout (redis-py's default is 5 s). With one, redis-py
+    # wraps every send in asyncio.wait_for, a Task and a loop pass of its own, and every
+    # read in a timeout: about 150k instructions of a first request's two commands. The
+    # store bounds each whole call with asyncio.timeout(command_timeout) instead (_run,
+    # _call), so a hung server is still a StoreError, and sooner: the bound covers the
+    # retries, where a socket timeout applied to each attempt. Cancelled mid-send or
+    # mid-read, redis-py disconnects the connection, so no reply is left in flight.
+    # The cluster client keeps its socket timeout: it redirects and retries inside one
+    # call, and is not asked to survive a cancellation there.
+    options["socket_timeout"] = None
     return aioredis.Redis.from_url(redis_url, **options)
