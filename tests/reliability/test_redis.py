@@ -237,6 +237,18 @@ async def _until(what: str, predicate: Any, within: float = 20) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _assert_replayed(c: httpx.AsyncClient, before: dict[str, list[httpx.Response]]) -> None:
+    """Every key answered 201 and asked again before the outage replays that first answer."""
+    for key, answers in before.items():
+        firsts = [r for r in answers if r.status_code == 201]
+        if not firsts or len(answers) < 2:
+            continue  # in flight at the outage
+        again = await c.post("/refunds", json={"amount": 1}, headers=_key(key))
+        assert again.status_code == 201, (key, again.status_code, again.text)
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.json()["refund_id"] == firsts[0].json()["refund_id"]
+
+
 @pytest.fixture
 def durable_redis(tmp_path: Path) -> Any:
     """A server of its own with ``appendfsync always``: every acknowledged write is on disk."""
@@ -276,14 +288,7 @@ async def test_redis_killed_and_restarted_mid_load(durable_redis: RedisServer) -
             await asyncio.gather(*lanes)
 
             # Everything acknowledged before the crash is still there, verbatim.
-            for key, answers in before.items():
-                firsts = [r for r in answers if r.status_code == 201]
-                if not firsts or len(answers) < 2:
-                    continue  # in flight at the crash
-                again = await c.post("/refunds", json={"amount": 1}, headers=_key(key))
-                assert again.status_code == 201, (key, again.status_code)
-                assert again.headers["idempotent-replayed"] == "true"
-                assert again.json()["refund_id"] == firsts[0].json()["refund_id"]
+            await _assert_replayed(c, before)
         statuses = load.check()
         assert statuses[503] >= 8, statuses
         assert statuses[201] > 80, statuses
@@ -380,14 +385,7 @@ async def test_a_cluster_primary_killed_mid_load_fails_over_with_503s_and_never_
             load.stop.set()
             await asyncio.gather(*lanes)
 
-            for key, answers in before.items():
-                firsts = [r for r in answers if r.status_code == 201]
-                if not firsts or len(answers) < 2:
-                    continue
-                again = await c.post("/refunds", json={"amount": 1}, headers=_key(key))
-                assert again.status_code == 201, (key, again.status_code, again.text)
-                assert again.headers["idempotent-replayed"] == "true"
-                assert again.json()["refund_id"] == firsts[0].json()["refund_id"]
+            await _assert_replayed(c, before)
         statuses = load.check()
         assert statuses[503] >= 3, statuses
         assert statuses[201] > 80, statuses

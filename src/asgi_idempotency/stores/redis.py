@@ -322,15 +322,9 @@ class RedisStore:
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         if self._cold:
             await self._warm()
-        try:  # _call, inlined: one coroutine fewer per command on the hot path
-            async with asyncio.timeout(self._timeout):
-                if self._wait:
-                    return await self._run_and_wait(script, key, args)
-                return await self._evalsha(script, self._key(key), args)
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise translate(exc) from exc
+        if self._wait:
+            return await _call(self._run_and_wait(script, key, args), self._timeout)
+        return await _call(self._evalsha(script, self._key(key), args), self._timeout)
 
     async def _evalsha(self, script: AsyncScript, rkey: str, args: Sequence[Any]) -> Any:
         # What AsyncScript.__call__ does, without its three layers of calls (evalsha,
@@ -553,10 +547,7 @@ def _claimed(key: str, row: Sequence[Any]) -> Record:
     """The row in an insert's way, from ``_INSERT``'s ``[meta, h, t, rh, rb]``."""
     meta, h, t, rh, rb = row
     s, c, lu, e, rs = meta.split(b" ")
-    response = StoredResponse(int(rs), decode_headers(rh), bytes(rb)) if rs else None
-    return Record(
-        key, h.decode(), STATUS_OF[s.decode()], t.decode(), _time(c), _time(lu), _time(e), response
-    )
+    return _record(key, (h, s, t, c, lu, e, rs or None, rh, rb))
 
 
 def _make_client(url: str, command_timeout: float) -> _Client:
