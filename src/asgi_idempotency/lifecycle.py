@@ -24,9 +24,8 @@ completed                     same         —      COMPLETED: replay
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from .errors import StoreError
 from .stores.base import BUSY, Busy, NewClaim, Record, RecordStatus
@@ -77,9 +76,13 @@ class ClaimOutcome(enum.Enum):
     IN_PROGRESS = "in_progress"  # another owner holds a live lease
     MISMATCH = "mismatch"  # the key belongs to a different request
 
+    # Members are singletons compared by identity, so identity hashing agrees with
+    # equality; Enum's own __hash__ is a Python call (hash of the name), and every
+    # request tests an outcome against _OWNED.
+    __hash__ = object.__hash__
 
-@dataclass(frozen=True, slots=True)
-class Claim:
+
+class Claim(NamedTuple):
     outcome: ClaimOutcome
     # The row in the way, for every outcome but CLAIMED/TAKEN_OVER; None for an
     # IN_PROGRESS that a transactional store answered from its lock alone.

@@ -45,8 +45,11 @@ class RecordStatus(enum.StrEnum):
 STATUS_OF = {status.value: status for status in RecordStatus}
 
 
-@dataclass(frozen=True, slots=True)
-class StoredResponse:
+# Record, StoredResponse (and lifecycle.Claim) are NamedTuples, like NewClaim, not
+# frozen dataclasses: every replay builds one of each, and a frozen dataclass's
+# __init__ sets each field through object.__setattr__ (a Record took ~3 us, a tuple
+# ~0.3 us). Immutable either way.
+class StoredResponse(NamedTuple):
     """A captured response: replayed byte for byte."""
 
     status: int
@@ -54,8 +57,7 @@ class StoredResponse:
     body: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
     """One row of ``idempotency_records``."""
 
     key: str

@@ -114,7 +114,7 @@ def _us(value: datetime) -> int:
 
 
 def _time(raw: bytes) -> datetime:
-    return _EPOCH + timedelta(microseconds=int(raw))
+    return _EPOCH + timedelta(0, 0, int(raw))  # positional: half the cost of microseconds=…
 
 
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
