@@ -2,9 +2,12 @@
 
 ``python -m bench.redis_scale``: the benchmark app's ``redis`` variant (ours on
 ``RedisStore``) under ``uvicorn --workers N``, wrk's fresh-key workload, cells
-alternating round after round. Whether it scales with workers depends on the cores
-the machine has free: on a shared two-core box, four workers and six Redis nodes
-mostly queue behind each other, which the figures then show.
+alternating round after round, on one server, the 3+3 cluster the tests use, and the
+3 primaries alone (no replication competing for the cores). Whether it scales with
+workers depends on the cores the machine has free, so each cell also prints how busy
+the machine's CPUs were (all processes, from ``/proc/stat``): a cell near 100% has no
+core left for another worker, and its figure is a ceiling of the machine, not of
+the store.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
         urls = {
             "one server": stack.enter_context(redis_server(tmp / "one")),
             "cluster 3+3": stack.enter_context(redis_cluster(tmp / "cluster")),
+            "cluster 3+0": stack.enter_context(redis_cluster(tmp / "primaries", replicas=False)),
         }
         servers = {}
         for name, url in urls.items():
@@ -61,20 +65,37 @@ def main() -> None:
         order = list(servers)
         for rnd in range(args.rounds):
             for cell in order if rnd % 2 == 0 else reversed(order):
+                before = _cpu_times()
                 result = run_wrk(
                     wrk, servers[cell], "fresh",
                     duration=args.duration, connections=args.connections, threads=1,
                 )  # fmt: skip
+                result["cpu_busy"] = _busy(before, _cpu_times())
                 cells.setdefault(cell, []).append(result)
                 log(f"round {rnd + 1}/{args.rounds} {cell[0]:12} workers {cell[1]}  "
-                    f"{result['rps']:7.0f} req/s")  # fmt: skip
+                    f"{result['rps']:7.0f} req/s  cpu busy {result['cpu_busy']:4.0%}")  # fmt: skip
     log(f"\n{machine()}; wrk -t1 -c{args.connections}, {args.duration} s per cell, "
         f"{args.rounds} rounds, fresh keys; medians")  # fmt: skip
-    log(f"{'store':12} {'workers':>7} {'req/s':>8} {'p99 ms':>8}  rounds")
+    log(f"{'store':12} {'workers':>7} {'req/s':>8} {'p99 ms':>8} {'cpu busy':>9}  rounds")
     for (name, n), runs in cells.items():
         rps = statistics.median(r["rps"] for r in runs)
         p99 = statistics.median(r["p99_us"] for r in runs) / 1000
-        log(f"{name:12} {n:>7} {rps:8.0f} {p99:8.2f}  {[round(r['rps']) for r in runs]}")
+        busy = statistics.median(r["cpu_busy"] for r in runs)
+        log(f"{name:12} {n:>7} {rps:8.0f} {p99:8.2f} {busy:9.0%}  "
+            f"{[round(r['rps']) for r in runs]}")  # fmt: skip
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (``/proc/stat``; idle and iowait idle)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def _busy(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total else 0.0
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ def redis_server(directory: Path, *extra: str) -> Iterator[str]:
 
 
 @contextmanager
-def redis_cluster(directory: Path) -> Iterator[str]:
-    """Yield the ``redis+cluster://`` URL of a fresh 3-primary, 3-replica loopback cluster."""
-    cluster = start_cluster(directory)
+def redis_cluster(directory: Path, *, replicas: bool = True) -> Iterator[str]:
+    """Yield the ``redis+cluster://`` URL of a fresh 3-primary loopback cluster, with a
+    replica per primary unless ``replicas`` is false."""
+    cluster = start_cluster(directory, replicas=replicas)
     try:
         yield cluster.url
     finally:

@@ -162,9 +162,10 @@ def start_server(directory: Path, *extra: str) -> RedisServer:
 
 @dataclass
 class RedisCluster:
-    """Three primaries and three replicas on loopback, created with ``redis-cli --cluster``."""
+    """Three primaries, and by default a replica each, on loopback (``redis-cli --cluster``)."""
 
     nodes: list[RedisServer]
+    replicas: int = 3
 
     @property
     def url(self) -> str:
@@ -192,7 +193,8 @@ class RedisCluster:
         while True:
             infos = [redis_cli(n.port, "INFO", "replication") for n in self.nodes]
             replicas = [i for i in infos if "role:slave" in i]
-            if len(replicas) == 3 and all("master_link_status:up" in i for i in replicas):
+            linked = all("master_link_status:up" in i for i in replicas)
+            if len(replicas) == self.replicas and linked:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster's replicas did not sync with their primaries")
@@ -212,13 +214,17 @@ class RedisCluster:
             time.sleep(0.1)
 
 
-def start_cluster(directory: Path) -> RedisCluster:
-    """3 primaries + 3 replicas (``--cluster-replicas 1``), node timeout 1 s for quick failover."""
+def start_cluster(directory: Path, *, replicas: bool = True) -> RedisCluster:
+    """3 primaries + 3 replicas (``--cluster-replicas 1``), node timeout 1 s for quick failover.
+
+    ``replicas=False``: the 3 primaries alone (the benchmark's cheaper cluster: no
+    replication traffic competing for the cores).
+    """
     if shutil.which("redis-cli") is None:
         raise RuntimeError("redis-cli is not on PATH")
     nodes: list[RedisServer] = []
     try:
-        for i in range(6):
+        for i in range(6 if replicas else 3):
             node = RedisServer(
                 _free_port(bus=True),
                 directory / f"node{i}",
@@ -231,11 +237,11 @@ def start_cluster(directory: Path) -> RedisCluster:
             nodes.append(node)
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1",
-             "--cluster-yes"],
+            ["redis-cli", "--cluster", "create", *addresses,
+             "--cluster-replicas", "1" if replicas else "0", "--cluster-yes"],
             capture_output=True, check=True, timeout=60,
         )  # fmt: skip
-        cluster = RedisCluster(nodes)
+        cluster = RedisCluster(nodes, replicas=3 if replicas else 0)
         cluster.wait_ok()
         cluster.wait_replicas_linked()
         return cluster
