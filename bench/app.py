@@ -218,7 +218,11 @@ class _RedisBackend:
     def __init__(self, url: str) -> None:
         import redis.asyncio as aioredis
 
-        self.client = aioredis.Redis.from_url(url)
+        # At its fairest (as RedisStore does, see its _evalsha): no socket_timeout (its
+        # asyncio.wait_for per send is a Task each), and one loop pass before each command
+        # so that concurrent requests' sends leave together. Measured 1.13x (replay) and
+        # 1.18x (fresh) the req/s of redis-py's defaults, 6 interleaved rounds.
+        self.client = aioredis.Redis.from_url(url, socket_timeout=None)
         self._claim = self.client.register_script(REDIS_CLAIM)
         self._complete = self.client.register_script(REDIS_COMPLETE)
 
@@ -229,6 +233,7 @@ class _RedisBackend:
         await self.client.aclose()
 
     async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        await asyncio.sleep(0)
         row = await self._claim(keys=[f"floor:{{{key}}}"], args=[h, token, _TTL_MS])
         if row == 0:
             return (True,)
@@ -239,6 +244,7 @@ class _RedisBackend:
         self, key: str, token: str, status: int, headers: bytes, body: bytes
     ) -> None:
         args: list[str | int | bytes] = [token, status, headers, body, _TTL_MS]
+        await asyncio.sleep(0)
         await self._complete(keys=[f"floor:{{{key}}}"], args=args)
 
 

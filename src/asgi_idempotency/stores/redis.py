@@ -331,6 +331,14 @@ class RedisStore:
         # _evalsha), tuple copies and per-call import: EVALSHA, and on NOSCRIPT (a
         # flushed or restarted server) SCRIPT LOAD and once more.
         execute = self.client.execute_command
+        # One loop pass before the send: the requests that became ready in this pass
+        # send their commands together, so redis-server wakes once for several and the
+        # replies come back in one poll. Without it each send woke the server on its own
+        # (StreamWriter.writelines was 11% of a replay's app CPU, against 4% with it);
+        # over HTTP at 32 connections fresh keys went from 0.75-0.78x to 0.96-1.02x of
+        # redis-py's defaults, replays from 0.81-0.87x to 0.86-0.91x. Cancelled here,
+        # nothing has been sent.
+        await asyncio.sleep(0)
         try:
             return await execute("EVALSHA", script.sha, 1, rkey, *args)
         except rexc.NoScriptError:
