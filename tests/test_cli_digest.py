@@ -82,13 +82,13 @@ def test_the_digest_from_a_log_line_finds_its_record(
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert shown["found"] is True
-    assert shown["key_digest"] == scoped_key("user-42", "refund-7f3a")
+    assert shown["key_digest"] == scoped_key("user-42", "refund-7f3a", "t")
     assert shown["status"] == "completed"
     assert shown["response_status"] == 201
 
     text = inspect(url, logged.upper())
     assert text.returncode == 0, text.stderr
-    assert f"key digest   {scoped_key('user-42', 'refund-7f3a')}" in text.stdout
+    assert f"key digest   {scoped_key('user-42', 'refund-7f3a', 't')}" in text.stdout
 
 
 def test_a_digest_that_matches_nothing_is_not_found(url: str) -> None:
@@ -131,6 +131,6 @@ def test_an_ambiguous_digest_prefix_says_so(url: str) -> None:
 
 def test_a_hex_client_key_is_still_looked_up_as_a_key(url: str) -> None:
     asyncio.run(_serve_twice(url, "00ff00ff00ff00ff", principal=""))
-    done = inspect(url, "00ff00ff00ff00ff", "--json")
+    done = inspect(url, "00ff00ff00ff00ff", "--host", "t", "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["key_digest"] == scoped_key("", "00ff00ff00ff00ff")
+    assert json.loads(done.stdout)["key_digest"] == scoped_key("", "00ff00ff00ff00ff", "t")

@@ -273,7 +273,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
         key = parse_key(args.key.encode("utf-8", "surrogateescape"))
     except InvalidKey as exc:
         raise CLIError(Exit.USAGE, f"not a valid Idempotency-Key: {exc.detail}") from None
-    digest = scoped_key(args.principal, key)
+    digest = scoped_key(args.principal, key, args.host.lower())
     # KEY may also be the key digest a log line carries: tried when no record has it as
     # a client key (a 16-hex client key is valid, so the key goes first).
     prefix = args.key.lower() if _DIGEST.fullmatch(args.key) else None
@@ -565,7 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--principal",
         default="",
-        help="who owns the key (default: anonymous, as the middleware); a digest needs none",
+        help="who owns the key (default: anonymous); a digest needs none",
+    )
+    p.add_argument(
+        "--host",
+        default="",
+        help="the Host the request was sent to (records are scoped by host unless the "
+        "middleware has scope_by_host=False); a digest needs none",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_inspect)

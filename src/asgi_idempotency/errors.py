@@ -8,6 +8,9 @@
     ├── BodyTooLarge            413  request body over the policy's limit
     ├── KeyMismatch             422  same key, different request
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After)
+    ├── ResponseNotKept         410  stored for a streamed response too large to keep
+    ├── PrincipalMissing        401  the request names no caller, and keys are per caller
+    ├── PrincipalMisconfigured  500  the guard cannot tell callers apart as wired: names the fix
     └── StoreUnavailable        503  the store failed; the handler did not run (Retry-After)
         └── StoreError               raised by a store: unreachable, timed out, driver error
             └── SchemaMissing        the table or its migration is missing: names the fix
@@ -32,7 +35,10 @@ __all__ = [
     "InvalidKey",
     "KeyMismatch",
     "MissingKey",
+    "PrincipalMisconfigured",
+    "PrincipalMissing",
     "RequestInProgress",
+    "ResponseNotKept",
     "SchemaMissing",
     "StoreError",
     "StoreUnavailable",
@@ -103,6 +109,37 @@ class RequestInProgress(IdempotencyError):
     status = 409
     slug = "in-progress"
     title = "A request with this Idempotency-Key is in progress"
+
+
+class ResponseNotKept(IdempotencyError):
+    """Stored in place of a streamed response too large to keep: the request ran once,
+    and a retry is told so rather than running it again or replaying part of it."""
+
+    status = 410
+    slug = "response-not-kept"
+    title = "The response to this Idempotency-Key was not kept"
+
+
+class PrincipalMissing(IdempotencyError):
+    """A guarded request names no caller (no user, session field or gateway header),
+    while the guard was told that keys belong to callers: never run it as anonymous."""
+
+    status = 401
+    slug = "unauthenticated"
+    title = "Caller not identified"
+
+
+class PrincipalMisconfigured(IdempotencyError):
+    """The guard cannot tell callers apart as the app is wired; the detail names the fix.
+
+    A configuration error, raised at startup where the guard can see it, else answered
+    500 (and logged) on the request that shows it: scoping a caller's key by a guess
+    could hand one caller another's stored response.
+    """
+
+    status = 500
+    slug = "principal-unknown"
+    title = "The idempotency guard cannot identify the caller"
 
 
 class StoreUnavailable(IdempotencyError):

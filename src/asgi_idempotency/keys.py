@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-from .asgi import Scope
 from .errors import InvalidKey
 
 __all__ = [
     "HEADER",
     "MAX_KEY_LENGTH",
-    "PrincipalFunc",
-    "default_principal",
     "parse_key",
     "scoped_key",
 ]
@@ -27,10 +22,6 @@ _BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
 # Visible ASCII, for the commonest form of all: the bare token with nothing around it,
 # recognised by deleting these and finding nothing left (bytes.translate, one C call).
 _VISIBLE = bytes(range(0x21, 0x7F))
-
-# The principal a record belongs to; None or "" means anonymous. Sync or async.
-PrincipalFunc = Callable[[Scope], "Awaitable[str | None] | str | None"]
-
 
 def parse_key(raw: bytes) -> str:
     """Validate one header value and return the key it carries.
@@ -90,19 +81,16 @@ def _parse_sf_string(value: bytes) -> str:
     raise InvalidKey('The quoted Idempotency-Key is not a valid string, e.g. "order-42".')
 
 
-def default_principal(scope: Scope) -> str | None:
-    """Starlette's authenticated user's identity, when authentication middleware ran."""
-    user: Any = scope.get("user")
-    if user is None or not getattr(user, "is_authenticated", False):
-        return None
-    try:
-        return str(user.identity)
-    except NotImplementedError:
-        return str(user.display_name)
+def scoped_key(principal: str, key: str, host: str = "") -> str:
+    """The record's primary key: a digest of (host, principal, key), never the raw key.
 
-
-def scoped_key(principal: str, key: str) -> str:
-    """The record's primary key: a digest of (principal, key), never the raw key."""
-    # Length-prefix the principal so ("a:b", "c") and ("a", "b:c") cannot collide.
-    material = f"{len(principal)}:{principal}\x00{key}".encode()
-    return hashlib.sha256(material).hexdigest()
+    ``host`` is the request's ``Host`` when records are scoped by host (the default):
+    tenant-per-subdomain apps often have tenant-local user ids, "1" in every tenant.
+    """
+    # Length-prefix each part so ("a:b", "c") and ("a", "b:c") cannot collide. Without a
+    # host the material is what it was before hosts entered it, so records kept then
+    # still match with scope_by_host=False.
+    material = f"{len(principal)}:{principal}\x00{key}"
+    if host:
+        material = f"h{len(host)}:{host}\x00{material}"
+    return hashlib.sha256(material.encode()).hexdigest()

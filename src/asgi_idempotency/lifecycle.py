@@ -162,15 +162,17 @@ async def claim(
     raise StoreError(f"claim did not settle after {CLAIM_ATTEMPTS} attempts")
 
 
-# Outcomes a retry could change: not final, so the key is released rather than stored.
-RELEASED_STATUSES = frozenset({408, 409, 425, 429})
+# Outcomes a retry could change, so the key is released rather than stored: timeouts,
+# conflicts, rate limits, and "you may not ask" (401, 407), which the caller answers by
+# authenticating and retrying the same request.
+RELEASED_STATUSES = frozenset({401, 407, 408, 409, 425, 429})
 
 
 def completes(status: int) -> bool:
     """Whether a handler's response completes the key (stored, replayed) or releases it.
 
-    2xx, 3xx and deterministic 4xx complete; 5xx and 408/409/425/429, which a retry
-    could change, release the key so that the retry runs again.
+    2xx, 3xx and deterministic 4xx complete; 5xx and 401/407/408/409/425/429, which a
+    retry could change, release the key so that the retry runs again.
     """
     return status < 500 and status not in RELEASED_STATUSES
 

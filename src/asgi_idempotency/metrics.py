@@ -40,8 +40,10 @@ class Outcome(enum.StrEnum):
     INVALID_KEY = "invalid_key"  # 400
     TOO_LARGE = "too_large"  # 413
     STORE_UNAVAILABLE = "store_unavailable"  # 503, or run unguarded with fail_open
-    RELEASED = "released"  # the handler ran and failed (5xx, 408/409/425/429, exception)
+    RELEASED = "released"  # the handler ran and failed (5xx, 401/408/409/429..., exception)
     UNGUARDED = "unguarded"  # no key on a route where it is optional
+    UNIDENTIFIED = "unidentified"  # 401 (no caller) or 500 (the guard cannot tell callers apart)
+    REJECTED = "rejected"  # the app refused it before the handler (auth, validation): no record
 
 
 class MetricsSink(Protocol):

@@ -18,22 +18,26 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from .appcheck import StartupReport, inspect_app
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
     BodyTooLarge,
     IdempotencyError,
     MissingKey,
+    PrincipalMisconfigured,
+    PrincipalMissing,
     SchemaMissing,
     StoreError,
     StoreUnavailable,
 )
 from .fingerprint import fingerprint_after, request_prefix
-from .keys import PrincipalFunc, default_principal, parse_key, scoped_key
+from .keys import parse_key, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
+from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .request import guard_headers, read_body
-from .responder import GuardedRequest, Responder, Runtime
+from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import PreparedStore, Store, TransactionalStore, utcnow
 
 __all__ = ["IdempotencyMiddleware"]
@@ -42,6 +46,10 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 _MISSING_KEY_DETAIL = (
     "This endpoint requires an Idempotency-Key header; generate one key "
     "per logical operation and send the same key on every retry."
+)
+_NO_CALLER_DETAIL = (
+    "This endpoint keeps each Idempotency-Key per caller, and this request names no "
+    "caller: authenticate and retry with the same key."
 )
 
 
@@ -66,8 +74,17 @@ class IdempotencyMiddleware:
             when they carry the header (default: key optional, 24 h ttl, 30 s lease).
         methods: methods guarded by default (default POST and PATCH). Safe methods
             (GET, HEAD, OPTIONS, TRACE) are never guarded.
-        principal: ``scope -> str | None`` (sync or async) naming who owns a key;
-            default: Starlette's authenticated user, else anonymous.
+        principal: who owns a key (:mod:`asgi_idempotency.principals`):
+            ``from_dependency(dep)`` (FastAPI), ``from_user()``, ``from_session(field)``,
+            ``from_headers(*names)``, ``ANONYMOUS``, or any ``scope -> str | None``
+            (sync or async; ``None`` answers 401). Default: an authenticated
+            ``scope["user"]``'s identity; anonymous only for requests that carry no
+            credentials; where the app tells callers apart in a way the guard cannot
+            see, it refuses (at startup, else 500 on the request) naming the helper.
+        scope_by_host: the request's ``Host`` is part of every record's scope (default),
+            so tenant-per-subdomain apps whose user ids are tenant-local stay apart.
+            Turn it off for a service reached under several names whose clients may
+            retry through another one.
         fail_open: when the store fails, run the handler unguarded instead of 503.
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
@@ -87,7 +104,8 @@ class IdempotencyMiddleware:
         policies: Mapping[str, Policy] | None = None,
         default_policy: Policy | None = None,
         methods: Iterable[str] = ("POST", "PATCH"),
-        principal: PrincipalFunc = default_principal,
+        principal: PrincipalFunc | DependencyPrincipal | None = None,
+        scope_by_host: bool = True,
         fail_open: bool = False,
         metrics: MetricsSink | None = None,
         clock: Callable[[], datetime] = utcnow,
@@ -99,7 +117,8 @@ class IdempotencyMiddleware:
         self.policies = dict(policies or {})
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in methods)
-        self.principal = principal
+        self.principal = AUTO if principal is None else principal
+        self.scope_by_host = scope_by_host
         self.fail_open = fail_open
         self.metrics = metrics
         self.clock = clock
@@ -122,6 +141,11 @@ class IdempotencyMiddleware:
         self._missing: SchemaMissing | None = None  # the last check's answer, if it failed
         self._checked_at = -math.inf  # monotonic time of the last failed check
         self._checking: asyncio.Event | None = None  # set when the check in flight ends
+        # The checks against the app (appcheck.py) and, for from_dependency, the claim
+        # added to FastAPI routes: at lifespan startup, else before the first request.
+        self._started = False
+        self._refusal: PrincipalMisconfigured | None = None
+        self._claim_endpoints: set[int] | None = None  # from_dependency: endpoints that claim
 
     def snapshot(self) -> MetricsSnapshot:
         """This middleware's outcome counts so far, by route template and outcome.
@@ -169,9 +193,12 @@ class IdempotencyMiddleware:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
-        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS or GUARD_SCOPE_KEY in scope:
+            # Safe methods are never guarded; a request an outer guard holds is its alone.
             await self.app(scope, receive, send)
             return
+        if not self._started:
+            self._start(scope.get("app"), on_request=True)
         guard = self._resolve(scope)
         if guard is None:
             await self.app(scope, receive, send)
@@ -182,6 +209,48 @@ class IdempotencyMiddleware:
         if not self._ready and not await self._ensure_ready(guard.route, send):
             return
         await Responder(self._runtime, request, scope, receive, send).run()
+
+    def _start(self, app: Any, *, on_request: bool) -> None:
+        """The checks against ``app``, once. At startup a problem raises; before the first
+        request of an app served without lifespan, guarded requests are answered 500.
+
+        Raises:
+            ValueError: the app cannot be guarded safely as wired (startup only).
+        """
+        self._started = True
+        problems: list[str] = []
+        try:
+            self.check_policies(app)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if app is not None:
+            report = inspect_app(app, self, self.principal, self._policies, self._policy_for)
+            problems += report.problems
+            claims = report.claim_endpoints
+            if not on_request:
+                problems += report.unmatched
+            elif report.unmatched:
+                self._observer.refused("<startup>", ValueError("; ".join(report.unmatched)))
+        else:
+            claims = set()
+        if isinstance(self.principal, DependencyPrincipal):
+            self._claim_endpoints = claims
+        self._forget_decisions()
+        if problems:
+            message = "\n".join(problems) if len(problems) == 1 else StartupReport(
+                problems
+            ).message()
+            if not on_request:
+                raise ValueError(message)
+            self._refusal = PrincipalMisconfigured(message)
+            self._observer.refused("<startup>", self._refusal)
+
+    def _policy_for(self, method: str, resolved: ResolvedRoute) -> tuple[Policy | None, bool]:
+        """The policy for ``method`` on ``resolved``, and whether it is explicit."""
+        policy = lookup(self._policies, method, resolved, resolved.template)
+        if policy is not None:
+            return policy, True
+        return (self._default_policy if method in self._methods else None), False
 
     async def _ensure_ready(self, route: str, send: Send) -> bool:
         """Prepare the store for an app served without lifespan; ``False`` once answered 503.
@@ -239,6 +308,11 @@ class IdempotencyMiddleware:
             policy = self._default_policy
         if policy is None or not policy.enabled:
             return None
+        claims = self._claim_endpoints
+        if claims is not None and (resolved is None or id(resolved.endpoint) not in claims):
+            # from_dependency: a route that does not use the dependency cannot name its
+            # caller (an explicit policy there was refused at startup).
+            return None
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
         return _Guard(policy, route, request_prefix(method, path), policy.header_names)
@@ -249,8 +323,12 @@ class IdempotencyMiddleware:
         """The guarded request, or ``None`` once the request has been answered or let through."""
         policy, route = guard.policy, guard.route
         observe = self._observer.outcome
+        if self._refusal is not None:
+            observe(route, Outcome.UNIDENTIFIED)
+            await self._refusal.send(send)
+            return None
         try:
-            raw_key, content_type, declared_length = guard_headers(scope["headers"])
+            raw_key, content_type, declared_length, host = guard_headers(scope["headers"])
             if raw_key is None:
                 if policy.required:
                     raise MissingKey(_MISSING_KEY_DETAIL)
@@ -258,6 +336,17 @@ class IdempotencyMiddleware:
                 await self.app(scope, receive, send)
                 return None
             client_key = parse_key(raw_key)
+            who = self.principal
+            principal = None if isinstance(who, DependencyPrincipal) else who(scope)
+            if type(principal) is not str and inspect.isawaitable(principal):
+                principal = await principal
+            if principal is None and self._claim_endpoints is None:
+                raise PrincipalMissing(_NO_CALLER_DETAIL)
+        except (PrincipalMissing, PrincipalMisconfigured) as exc:
+            observe(route, Outcome.UNIDENTIFIED)
+            self._observer.refused(route, exc)
+            await exc.send(send)
+            return None
         except MissingKey as exc:
             observe(route, Outcome.MISSING_KEY)
             await exc.send(send)
@@ -281,13 +370,12 @@ class IdempotencyMiddleware:
         request_hash = fingerprint_after(
             guard.prefix, scope.get("query_string", b""), body, content_type, chosen
         )
-        # Called here, not through an async helper: most principal functions answer
-        # synchronously, and this spares the request a coroutine.
-        principal = self.principal(scope)
-        if principal is not None and type(principal) is not str and inspect.isawaitable(principal):
-            principal = await principal
-        key = scoped_key(principal or "", client_key)
-        return GuardedRequest(key, principal or "", request_hash, policy, route, body)
+        where = host.decode("latin-1").lower() if self.scope_by_host else ""
+        if principal is None:  # named when FastAPI resolves the dependency
+            return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
+        principal = str(principal)
+        key = scoped_key(principal, client_key, where)
+        return GuardedRequest(key, principal, request_hash, policy, route, body, client_key, where)
 
     def check_policies(self, app: Any = None) -> None:
         """Refuse transactional policies on a store that cannot honour them.
@@ -320,7 +408,7 @@ class IdempotencyMiddleware:
         message = await receive()
         if message["type"] == "lifespan.startup":
             try:
-                self.check_policies(scope.get("app"))
+                self._start(scope.get("app"), on_request=False)
             except ValueError as exc:
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
                 return

@@ -63,6 +63,18 @@ class Observer:
             **fields,
         )
 
+    def refused(self, route: str, exc: BaseException) -> None:
+        """A request the guard could not scope to a caller: a misconfiguration at ERROR
+        (its detail names the fix), a request naming no caller at INFO."""
+        status = getattr(exc, "status", 500)
+        level = logging.ERROR if status >= 500 else logging.INFO
+        if not logger.isEnabledFor(level):
+            return
+        fields = {"route": route, "error": type(exc).__name__, "detail": str(exc)}
+        text = " ".join(f"{name}={value}" for name, value in fields.items())
+        event = "idempotency.principal"
+        logger.log(level, "%s %s", event, text, extra={"event": event, **fields})
+
     def not_ready(self, phase: str, exc: BaseException, *, now: float, route: str = "") -> None:
         """The store could not be prepared (``phase``: ``startup`` or ``request``), at ERROR.
 

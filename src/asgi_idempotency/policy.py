@@ -193,7 +193,7 @@ class ResolvedRoute:
     endpoint: Any
 
 
-def _expand(routes: Iterable[Any]) -> list[Any]:
+def expand_routes(routes: Iterable[Any]) -> list[Any]:
     """Routes as the router tries them, FastAPI's included routers flattened.
 
     Recent FastAPI keeps included routers nested; its public ``iter_route_contexts``
@@ -293,7 +293,7 @@ class RouteResolver(Generic[T]):
         cached = self._flat.get(id(routes))
         if cached is not None and cached[0] is routes and cached[1] == len(routes):
             return cached[2]
-        flat = _expand(routes)
+        flat = expand_routes(routes)
         self._flat[id(routes)] = (routes, len(routes), flat)
         return flat
 
@@ -330,7 +330,7 @@ def iter_endpoint_policies(app: Any) -> list[Policy]:
     found: list[Policy] = []
 
     def walk(routes: Iterable[Any]) -> None:
-        for route in _expand(routes):
+        for route in expand_routes(routes):
             original = getattr(route, "original_route", route)
             if isinstance(original, (Mount, Host)):
                 walk(original.routes)

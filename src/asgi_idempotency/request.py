@@ -13,13 +13,17 @@ from .keys import HEADER
 __all__ = ["guard_headers", "read_body", "replay_body"]
 
 
-def guard_headers(headers: Headers) -> tuple[bytes | None, bytes | None, bytes | None]:
-    """The raw ``Idempotency-Key``, ``Content-Type`` and ``Content-Length``, in one pass.
+def guard_headers(
+    headers: Headers,
+) -> tuple[bytes | None, bytes | None, bytes | None, bytes]:
+    """The raw ``Idempotency-Key``, ``Content-Type``, ``Content-Length`` and ``Host``
+    (``b""`` if absent), in one pass.
 
     Raises:
         InvalidKey: the key header was sent more than once (which key was meant is unknowable).
     """
     key = content_type = content_length = None
+    host = b""
     for name, value in headers:
         name = name.lower()
         if name == HEADER:
@@ -33,7 +37,9 @@ def guard_headers(headers: Headers) -> tuple[bytes | None, bytes | None, bytes |
                 content_type = value
         elif name == b"content-length":
             content_length = value
-    return key, content_type, content_length
+        elif name == b"host":
+            host = value
+    return key, content_type, content_length, host
 
 
 def _too_large(limit: int) -> BodyTooLarge:

@@ -2,10 +2,24 @@
 
 The middleware hands a :class:`Responder` a frozen :class:`GuardedRequest` (key,
 principal, fingerprint, policy, route, body) and the :class:`Runtime` it shares with
-every request; the responder holds nothing else. One path runs both modes:
+every request. One path runs every mode:
 
-    claim (lifecycle) ─┬─ not ours ─► replay / 409 / 422
-                       └─ ours ─► run the handler, captured ─► complete or release ─► send
+    claim (lifecycle) ─┬─ not ours ─► replay / 409 / 422 (what the app sends is dropped)
+                       └─ ours ─► run the app; at its final body message:
+                                  complete or release, then send
+
+The claim happens before the app runs when the principal is known from the request,
+or, with :func:`~.principals.from_dependency`, when FastAPI has resolved the app's
+auth dependency (:mod:`.fastapi_claim` calls :meth:`Responder.claim_deferred`); until
+then the app's messages pass straight through (a 401 from auth, a validation 422:
+nothing claimed, nothing stored).
+
+The outcome is the response the app sent, the moment its final body message goes
+out: the record is completed from it, then it is sent. What the app does after that
+(BackgroundTasks run inside the same ASGI call) neither delays the answer nor, by
+failing, releases the key. A streamed response (a body message with ``more_body``)
+goes to the client as it is produced, kept on the side up to a limit and stored when
+it ends.
 
 In the default mode the claim and the completion are separate statements on the
 store and :class:`~.lease.LeaseRenewals` keeps the claim alive meanwhile. In
@@ -16,6 +30,7 @@ writes through too: releasing is rolling back, completing is committing.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import os
@@ -23,19 +38,38 @@ from collections.abc import Callable, Coroutine
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
+from starlette.exceptions import HTTPException
+
 from . import lifecycle
-from .asgi import ASGIApp, Receive, Scope, Send
-from .capture import Captured, send_replay, storable_headers
-from .errors import KeyMismatch, RequestInProgress, StoreError, StoreUnavailable
-from .lease import LeaseRenewals
+from .asgi import ASGIApp, Message, Receive, Scope, Send
+from .capture import send_replay, storable_headers
+from .errors import (
+    IdempotencyError,
+    KeyMismatch,
+    RequestInProgress,
+    ResponseNotKept,
+    StoreError,
+    StoreUnavailable,
+)
+from .keys import scoped_key
+from .lease import LeaseRenewals, Renewal
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
 from .policy import Policy
-from .request import replay_body
 from .stores.base import Store, StoredResponse, StoreTransaction, TransactionalStore
 
-__all__ = ["GuardedRequest", "Responder", "Runtime"]
+__all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
+
+# The scope entry naming the responder of a guarded request: an inner guard (a guarded
+# sub-app mounted in a guarded app) lets such a request through, and the FastAPI claim
+# dependency finds its responder there.
+GUARD_SCOPE_KEY = "asgi_idempotency.responder"
+
+# A streamed response is kept on the side up to this size, to be stored when it ends;
+# past it, retries are told the request ran and its response was not kept.
+STREAM_KEEP_LIMIT = 1024 * 1024
+_PATHSEND = "http.response.pathsend"
 
 T = TypeVar("T")
 
@@ -43,12 +77,14 @@ T = TypeVar("T")
 class GuardedRequest(NamedTuple):
     """What the guard knows of one request once it has been read (frozen)."""
 
-    key: str  # the scoped key: sha256 hex of (principal, client key)
-    principal: str
+    key: str  # the scoped key: sha256 hex of (host, principal, client key); "" until known
+    principal: str | None  # None until FastAPI resolves it (from_dependency)
     fingerprint: str
     policy: Policy
     route: str
     body: bytes
+    client_key: str  # as the client sent it, parsed; never logged
+    host: str  # "" when records are not scoped by host
 
 
 class Runtime:
@@ -111,38 +147,118 @@ _IN_PROGRESS_DETAIL = (
     "A request with this Idempotency-Key is still being processed; "
     "retry after the Retry-After interval to get its response."
 )
+_NOT_KEPT_DETAIL = (
+    "The request with this Idempotency-Key was processed once; its response was "
+    "streamed and too large to keep, so it cannot be replayed."
+)
+
+
+class _State(enum.Enum):
+    WAITING = "waiting"  # deferred claim not made yet: the app's messages pass through
+    UNGUARDED = "unguarded"  # fail_open after a store error: pass through
+    OWNED = "owned"  # ours: the app's response is held (or streamed) until it ends
+    FINISHING = "finishing"  # completing or releasing: no release on a late exception
+    DONE = "done"  # answered from the app's response
+    ANSWERED = "answered"  # the guard answered itself: what the app sends is dropped
 
 
 class Responder:
     """The state of one guarded request."""
 
-    __slots__ = ("receive", "req", "rt", "scope", "send")
+    __slots__ = ("chunks", "kept", "receive", "renewal", "req", "rt", "scope", "send",
+                 "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
 
     def __init__(
         self, rt: Runtime, req: GuardedRequest, scope: Scope, receive: Receive, send: Send
     ) -> None:
         self.rt, self.req = rt, req
         self.scope, self.receive, self.send = scope, receive, send
+        self.state = _State.WAITING
+        self.token = ""
+        self.tx: StoreTransaction | None = None
+        self.renewal: Renewal | None = None
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.kept = 0  # bytes of a streamed response kept so far
+        self.streaming = False
+        self.unread = True  # the buffered request body is still to be given to the app
 
     async def run(self) -> None:
+        """Claim (unless it waits for FastAPI), run the app, answer; the whole request."""
+        scope = self.scope
+        extensions = scope.get("extensions")
+        if extensions and _PATHSEND in extensions:
+            # A file sent by path would bypass the body we store: the app sends the bytes.
+            scope["extensions"] = {k: v for k, v in extensions.items() if k != _PATHSEND}
+        scope[GUARD_SCOPE_KEY] = self
+        if self.req.principal is None:
+            await self._run_app()  # the claim comes from the FastAPI dependency
+            return
         if not self.req.policy.transactional:
-            await self._execute(self.rt.store, None)
+            if await self._claim(self.rt.store):
+                await self._run_app()
             return
         store = self.rt.store
         assert isinstance(store, TransactionalStore)  # checked when the middleware was built
         tx: StoreTransaction | None = None
         try:
             async with store.transaction() as tx:
-                await self._execute(tx, tx)
+                self.tx = tx
+                if await self._claim(tx):
+                    await self._run_app()
         except StoreError as exc:
             if tx is not None:
-                raise  # not from opening the transaction: _execute answered what was its
+                raise  # not from opening the transaction: answered where it arose
             await self._unavailable(exc, "claim")
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this request waits for FastAPI to name its caller before it claims."""
+        return self.state is _State.WAITING and self.req.principal is None
+
+    async def refuse(self, exc: IdempotencyError) -> None:
+        """Answer with ``exc`` instead of claiming (the caller could not be identified)."""
+        self.state = _State.ANSWERED
+        self.rt.observer.outcome(self.req.route, Outcome.UNIDENTIFIED)
+        self.rt.observer.refused(self.req.route, exc)
+        await exc.send(self.send)
+
+    async def claim_deferred(self, principal: str) -> bool:
+        """Claim now that FastAPI has named the caller: whether the endpoint may run.
+
+        ``False`` once the guard has answered (replay, 409, 422, 503): the caller stops
+        the endpoint, and whatever the app sends next is dropped.
+        """
+        if self.state is not _State.WAITING:
+            return self.state is not _State.ANSWERED
+        req = self.req
+        self.req = req._replace(
+            principal=principal, key=scoped_key(principal, req.client_key, req.host)
+        )
+        return await self._claim(self.rt.store)
+
+    async def endpoint_skipped(self) -> None:
+        """FastAPI refused the request after the claim (validation): release, store nothing."""
+        if self.state is not _State.OWNED:
+            return
+        self.state = _State.WAITING  # its answer (the 422) passes through
+        self._stop_renewal()
+        self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
+        store, key, token = self.rt.store, self.req.key, self.token
+        try:
+            await store.release(key, token)
+        except asyncio.CancelledError:
+            self.rt.rerun(functools.partial(store.release, key, token), self.req.route, key,
+                          "release")  # fmt: skip
+            raise
+        except StoreError as exc:
+            self.rt.observer.store_error(self.req.route, key, "release", exc)
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
         self.rt.observer.log(level, event, self.req.route, self.req.key, **fields)
 
-    async def _execute(self, claimant: lifecycle.Claimant, tx: StoreTransaction | None) -> None:
+    async def _claim(self, claimant: lifecycle.Claimant) -> bool:
+        """Claim the key; ``True`` if the app is to run, else the request is answered."""
         rt, req = self.rt, self.req
         policy = req.policy
         now = rt.clock()
@@ -159,60 +275,140 @@ class Responder:
             )
         except StoreError as exc:
             await self._unavailable(exc, "claim")
-            return
+            return self.state is _State.UNGUARDED
         if not claim.owned:
+            self.state = _State.ANSWERED
             await self._answer_existing(claim, now)
-            return
+            return False
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
-
-        renewal = None
-        if tx is None:
-            renewal = rt.renewals.start(req.key, token, policy.lease, policy.renew_every, req.route)
+        self.token, self.state = token, _State.OWNED
+        if self.tx is None:
+            self.renewal = rt.renewals.start(
+                req.key, token, policy.lease, policy.renew_every, req.route
+            )
         else:
-            self.scope.setdefault("state", {})["idempotency"] = tx.state
-        captured = Captured(req.body, self.receive)
+            self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+        return True
+
+    def _stop_renewal(self) -> None:
+        if self.renewal is not None:
+            self.renewal.stop(self.token)
+            self.renewal = None
+
+    async def _run_app(self) -> None:
         try:
-            await rt.app(self.scope, captured.receive, captured.send)
+            await self.rt.app(self.scope, self.app_receive, self.app_send)
         except asyncio.CancelledError:
-            # Cancelled part-way: the effect may or may not have happened. By default the
-            # claim stays in progress until its lease ends rather than inviting a rerun;
-            # in a transaction, closing it rolls back the claim and the writes together.
-            if renewal is not None:
-                renewal.stop(token)
-                self._log(logging.WARNING, "idempotency.cancelled")
+            if self.state is _State.OWNED:
+                # Cancelled part-way: the effect may or may not have happened. By default
+                # the claim stays in progress until its lease ends rather than inviting a
+                # rerun; in a transaction, closing it rolls back the claim and the writes.
+                self._stop_renewal()
+                if self.tx is None:
+                    self._log(logging.WARNING, "idempotency.cancelled")
             raise
+        except GuardAnswered:
+            if self.state is not _State.ANSWERED:
+                raise
+            return  # the guard answered; the app let the marker through its handlers
         except BaseException:
-            if renewal is not None:
-                renewal.stop(token)
-            await self._release(token, tx)
+            if self.state is _State.OWNED:
+                self._stop_renewal()
+                await self._release()
             raise
-        if renewal is not None:
-            renewal.stop(token)
-        start = captured.start
-        if start is None:
-            # As if the app had raised: a retry may run it again.
-            await self._release(token, tx)
-            raise RuntimeError("the application returned without sending a response")
-        content = b"".join(captured.chunks)
+        state = self.state
+        if state is _State.OWNED:
+            if self.start is None:
+                # As if the app had raised: a retry may run it again.
+                self._stop_renewal()
+                await self._release()
+                raise RuntimeError("the application returned without sending a response")
+            # Returned without a final body message: end the response here.
+            end = {"type": "http.response.body", "body": b"", "more_body": False}
+            await self._finish(end if self.streaming else None)
+        elif state is _State.WAITING and self.req.principal is None:
+            self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
 
-        status: int = start["status"]
-        if not lifecycle.completes(status):
-            await self._release(token, tx)
-        else:
-            stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
-            expires_at = rt.clock() + policy.ttl
-            if tx is None:
-                await self._complete(token, stored, expires_at)
-            elif not await self._commit(tx, token, stored, expires_at):
+    async def app_receive(self) -> Message:
+        # The buffered body once, then the server's own messages (http.disconnect).
+        if self.unread:
+            self.unread = False
+            return {"type": "http.request", "body": self.req.body, "more_body": False}
+        return await self.receive()
+
+    async def app_send(self, message: Message) -> None:
+        state = self.state
+        if state is not _State.OWNED:
+            if state is _State.WAITING or state is _State.UNGUARDED:
+                await self.send(message)
+            return  # answered by the guard, or after the final body: dropped
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message
+            return
+        if kind != "http.response.body":
+            return  # trailers and extensions are not part of what is replayed
+        body: bytes = message.get("body", b"")
+        if message.get("more_body", False):
+            if not self.streaming:
+                # A stream: it goes to the client as it is produced, never held back.
+                self.streaming = True
+                assert self.start is not None
+                await self.send(self.start)
+            self._keep(body)
+            await self.send(message)
+            return
+        self._keep(body)
+        await self._finish(message if self.streaming else None)
+
+    def _keep(self, body: bytes) -> None:
+        if not body:
+            return
+        if self.streaming:
+            self.kept += len(body)
+            if self.kept > STREAM_KEEP_LIMIT:
+                self.chunks.clear()  # too large to store: only its size is known now
                 return
-            rt.observer.outcome(req.route, Outcome.EXECUTED)
-        send = self.send  # sent here rather than through a helper: one coroutine fewer
+        self.chunks.append(body)
+
+    async def _finish(self, last: Message | None) -> None:
+        """Complete or release from the app's response, then send what is left of it.
+
+        ``last`` is a stream's final body message (its start and earlier chunks were
+        sent as they came); ``None`` when the whole response is still held here.
+        """
+        self.state = _State.FINISHING
+        self._stop_renewal()
+        start = self.start
+        assert start is not None
+        status: int = start["status"]
+        content = b"".join(self.chunks)
+        if not lifecycle.completes(status):
+            await self._release()
+        else:
+            if self.kept > STREAM_KEEP_LIMIT:
+                problem = ResponseNotKept(_NOT_KEPT_DETAIL)
+                stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
+            else:
+                stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
+            expires_at = self.rt.clock() + self.req.policy.ttl
+            if self.tx is None:
+                await self._complete(stored, expires_at)
+            elif not await self._commit(self.tx, stored, expires_at):
+                self.state = _State.DONE
+                return
+            self.rt.observer.outcome(self.req.route, Outcome.EXECUTED)
+        self.state = _State.DONE
+        send = self.send
+        if last is not None:
+            await send(last)
+            return
         await send(start)
         await send({"type": "http.response.body", "body": content, "more_body": False})
 
-    async def _complete(self, token: str, stored: StoredResponse, expires_at: datetime) -> None:
-        store, key = self.rt.store, self.req.key
+    async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
+        store, key, token = self.rt.store, self.req.key, self.token
         try:
             owned = await store.complete(key, token, stored, expires_at=expires_at)
         except asyncio.CancelledError:
@@ -230,18 +426,17 @@ class Responder:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
 
     async def _commit(
-        self, tx: StoreTransaction, token: str, stored: StoredResponse, expires_at: datetime
+        self, tx: StoreTransaction, stored: StoredResponse, expires_at: datetime
     ) -> bool:
+        key = self.req.key
         try:
-            await self.rt.shielded(tx.commit(self.req.key, token, stored, expires_at=expires_at))
+            await self.rt.shielded(tx.commit(key, self.token, stored, expires_at=expires_at))
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.
             unavailable = Outcome.STORE_UNAVAILABLE
             observer = self.rt.observer
-            observer.store_error(
-                self.req.route, self.req.key, "commit", exc, outcome=unavailable.value
-            )
+            observer.store_error(self.req.route, key, "commit", exc, outcome=unavailable.value)
             observer.outcome(self.req.route, unavailable)
             await StoreUnavailable(
                 "The request's changes could not be committed; retry with the same "
@@ -251,11 +446,11 @@ class Responder:
             return False
         return True
 
-    async def _release(self, token: str, tx: StoreTransaction | None) -> None:
+    async def _release(self) -> None:
         self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
-        if tx is not None:
+        if self.tx is not None:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
-        store, key = self.rt.store, self.req.key
+        store, key, token = self.rt.store, self.req.key, self.token
         try:
             await store.release(key, token)
         except asyncio.CancelledError:
@@ -271,8 +466,9 @@ class Responder:
         rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
         rt.observer.outcome(self.req.route, unavailable)
         if rt.fail_open:
-            await rt.app(self.scope, replay_body(self.req.body, self.receive), self.send)
+            self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return
+        self.state = _State.ANSWERED
         await StoreUnavailable(
             "The idempotency store is unavailable and the request was not processed; "
             "retry with the same Idempotency-Key.",
@@ -303,3 +499,14 @@ class Responder:
             wait = lifecycle.in_progress_wait(record, now, self.rt.retry_after)
             observer.outcome(route, Outcome.IN_PROGRESS)
             await RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait).send(self.send)
+
+
+class GuardAnswered(HTTPException):
+    """Stops the endpoint once the guard has answered itself (replay, 409, 422, 503).
+
+    An ``HTTPException``, so the app's own exception handling turns it into a response
+    quietly (no 500, no traceback in the server log); that response is dropped.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(status_code=409, detail="answered by the idempotency guard")

@@ -426,4 +426,4 @@ def _masters(cluster: RedisCluster) -> int:
 def _scoped_of(client_key: str) -> str:
     from asgi_idempotency.keys import scoped_key
 
-    return scoped_key("", client_key)
+    return scoped_key("", client_key, "test")  # the host of refund_app.client()

@@ -104,7 +104,7 @@ async def test_one_hash_per_record_under_the_digest_never_the_raw_key(
         r = await c.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": client_key})
         assert r.status_code == 201
     names = [name async for name in rstore.client.scan_iter(match="*")]
-    digest = scoped_key("", client_key)
+    digest = scoped_key("", client_key, "test")
     assert names == [f"idem:{{{digest}}}".encode()]
     fields = await rstore.client.hgetall(names[0])
     assert set(fields) == {b"h", b"s", b"t", b"c", b"l", b"e", b"rs", b"rh", b"rb"}

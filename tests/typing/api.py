@@ -47,12 +47,15 @@ from asgi_idempotency import (
     Outcome,
     Policy,
     PreparedStore,
+    PrincipalMisconfigured,
+    PrincipalMissing,
     Pruner,
     PruningMiddleware,
     Record,
     RecordState,
     RecordStatus,
     RequestInProgress,
+    ResponseNotKept,
     SchemaMissing,
     SQLStore,
     Store,
@@ -92,6 +95,13 @@ from asgi_idempotency.client import (
 )
 from asgi_idempotency.client import CanonicalJSONError as ClientCanonicalJSONError
 from asgi_idempotency.client import canonical_json as client_canonical_json
+from asgi_idempotency.principals import (
+    ANONYMOUS,
+    from_dependency,
+    from_headers,
+    from_session,
+    from_user,
+)
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -176,6 +186,12 @@ def middleware(store: Store) -> IdempotencyMiddleware:
         prune_interval=None,
     )
     IdempotencyMiddleware(inner, store=store, principal=async_principal)
+    IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, scope_by_host=False)
+    IdempotencyMiddleware(inner, store=store, principal=from_headers("X-Tenant-Id", "X-User-Id"))
+    IdempotencyMiddleware(inner, store=store, principal=from_session("user_id"))
+    IdempotencyMiddleware(inner, store=store, principal=from_user(identity=str))
+    IdempotencyMiddleware(inner, store=store, principal=from_dependency(lambda: "alice"))
+    from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required
     IdempotencyMiddleware(inner, store)  # type: ignore[call-arg]  # the store by keyword
     IdempotencyMiddleware(inner, store=store, retry_after=timedelta(seconds=1))  # type: ignore[arg-type]  # seconds
@@ -271,6 +287,9 @@ def errors(exc: Exception) -> int | None:
         StoreUnavailable,
         StoreError,
         SchemaMissing,
+        PrincipalMissing,
+        PrincipalMisconfigured,
+        ResponseNotKept,
     ]
     missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
     unavailable: StoreUnavailable = StoreError.wrap(exc)

@@ -1,0 +1,227 @@
+"""Startup checks against the app the guard wraps: refuse what would guard wrongly.
+
+Run once, at lifespan startup (a problem fails startup with a message naming the
+fix) or, for an app served without lifespan, before its first request (a problem is
+then answered 500 on guarded requests, and logged). What is checked:
+
+- **who the caller is**: with the default principal, per-caller input the guard cannot
+  scope by (FastAPI security dependencies, header or cookie parameters on guarded
+  routes, session middleware anywhere); with a helper, the middleware it reads from
+  placed outside the guard, and with :func:`~.principals.from_dependency` every
+  explicitly guarded route using the dependency (those routes get the claim);
+- **middleware order**: authentication, session, CORS, GZip and TrustedHost
+  middleware inside the guard (their per-request output would be stored and replayed
+  to other requests, or they would run after the guard has decided);
+- **the policies map**: every entry names a route and method the app serves.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.routing import Host, Mount
+
+from .policy import Policy, ResolvedRoute, expand_routes
+from .principals import AUTO, HELPERS, DependencyPrincipal, _FromSession, _FromUser
+
+__all__ = ["StartupReport", "inspect_app"]
+
+# Middleware that must sit outside the guard, and why.
+_OUTSIDE = {
+    "AuthenticationMiddleware": (
+        "it sets scope['user'] after the guard has already scoped the request"
+    ),
+    "SessionMiddleware": "it loads scope['session'] after the guard has already scoped the request",
+    "CORSMiddleware": (
+        "its per-origin Access-Control-* headers would be stored and replayed to other "
+        "origins, and the guard's own 400/409/422 would reach browsers without them"
+    ),
+    "GZipMiddleware": (
+        "a compressed body would be stored and replayed to clients that did not accept it"
+    ),
+    "TrustedHostMiddleware": "its 400 for an untrusted Host would be stored and replayed",
+}
+_MOVE = (
+    "Add it after IdempotencyMiddleware with app.add_middleware (the last added runs "
+    "first), or before it in middleware=[...]."
+)
+
+
+@dataclass
+class StartupReport:
+    """What the checks found, and what the guard set up on the way."""
+
+    problems: list[str] = field(default_factory=list)
+    # Policies-map entries naming no route: refused at startup; before the first request
+    # of an app without lifespan only logged, since routes may still be added then.
+    unmatched: list[str] = field(default_factory=list)
+    claim_endpoints: set[int] = field(default_factory=set)  # ids of endpoints given the claim
+
+    def message(self) -> str:
+        lines = "\n".join(f"- {p}" for p in self.problems)
+        return f"IdempotencyMiddleware cannot guard this app safely as wired:\n{lines}"
+
+
+def _chain(node: Any, until: Any = None) -> list[Any]:
+    """The ASGI apps from ``node`` inward, through each ``.app`` (and a Starlette app's
+    built middleware stack), up to ``until`` or the router."""
+    found: list[Any] = []
+    for _ in range(100):  # a chain that loops is not followed for ever
+        if node is None or node is until:
+            break
+        found.append(node)
+        stack = getattr(node, "middleware_stack", None)
+        node = stack if stack is not None else getattr(node, "app", None)
+    return found
+
+
+def _names(nodes: Iterable[Any]) -> list[str]:
+    return [type(n).__name__ for n in nodes]
+
+
+def _templates(app: Any) -> dict[str, set[str]]:
+    """Every route template the app's router serves, with its methods ("*" for any)."""
+    served: dict[str, set[str]] = {}
+
+    def walk(routes: Iterable[Any], prefix: str) -> None:
+        for route in expand_routes(list(routes)):
+            original = getattr(route, "original_route", route)
+            if isinstance(original, Mount):
+                walk(original.routes, prefix + original.path)
+                continue
+            if isinstance(original, Host):
+                walk(original.routes, prefix)
+                continue
+            template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
+            methods = getattr(route, "methods", None)
+            served.setdefault(prefix + template, set()).update(methods or {"*"})
+
+    walk(getattr(getattr(app, "router", None), "routes", ()), "")
+    return served
+
+
+def _check_policies_map(policies: Iterable[str], app: Any) -> Iterator[str]:
+    served = _templates(app)
+    if not served:
+        return  # a bare ASGI app has no templates to check against
+    for entry in policies:
+        method, _, template = entry.rpartition(" ")
+        method = method.strip().upper()
+        methods = served.get(template)
+        if methods is None:
+            near = difflib.get_close_matches(template, list(served), n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            yield f"policies[{entry!r}] names no route the app serves{hint}"
+        elif method and "*" not in methods and method not in methods:
+            yield (
+                f"policies[{entry!r}]: {template} serves {', '.join(sorted(methods))}, not {method}"
+            )
+
+
+def inspect_app(
+    app: Any,
+    guard: Any,
+    principal: Any,
+    policies: Iterable[str],
+    policy_for: Callable[[str, ResolvedRoute], tuple[Policy | None, bool]],
+) -> StartupReport:
+    """Check ``app`` as wrapped by ``guard``; give FastAPI routes the claim if deferred.
+
+    ``policy_for(method, route)`` answers how a request to ``route`` is guarded and
+    whether that policy is explicit (the policies map or ``@idempotent``) rather than
+    the default policy.
+    """
+    report = StartupReport()
+    problems = report.problems
+    stack = getattr(app, "middleware_stack", None)
+    # Outside: the app's built stack down to the guard, when the guard is in it (added
+    # with add_middleware or middleware=[...]); a guard wrapping the app has none.
+    in_stack = any(n is guard for n in _chain(stack))
+    outside = set(_names(_chain(stack, until=guard))) if in_stack else set()
+    inside = _names(_chain(guard.app))
+
+    for name in inside:
+        why = _OUTSIDE.get(name)
+        if why is None:
+            continue
+        if name in ("AuthenticationMiddleware", "SessionMiddleware") and isinstance(
+            principal, DependencyPrincipal
+        ):
+            continue  # read by the app's dependency, after them: their place does not matter
+        problems.append(f"{name} is inside IdempotencyMiddleware: {why}. {_MOVE}")
+
+    names = outside | set(inside)
+    if isinstance(principal, _FromUser) and "AuthenticationMiddleware" not in names:
+        problems.append(
+            "principal=from_user() needs Starlette's AuthenticationMiddleware outside "
+            "IdempotencyMiddleware; none is in the app's middleware."
+        )
+    if isinstance(principal, _FromSession) and "SessionMiddleware" not in names:
+        problems.append(
+            f"principal={principal!r} needs SessionMiddleware outside "
+            "IdempotencyMiddleware; none is in the app's middleware."
+        )
+    if principal is AUTO and ("SessionMiddleware" in outside or "SessionMiddleware" in inside):
+        problems.append(
+            "SessionMiddleware is in the app's middleware, so callers are told apart by "
+            "their session, which the guard cannot guess at: pass principal=from_session("
+            "'<the field your login stores>') or another helper: " + HELPERS + "."
+        )
+
+    report.unmatched.extend(_check_policies_map(policies, app))
+
+    fastapi = sys.modules.get("fastapi")
+    if fastapi is None or not isinstance(app, fastapi.FastAPI):
+        if isinstance(principal, DependencyPrincipal):
+            problems.append(
+                f"principal={principal!r} needs a FastAPI app; this is "
+                f"{type(app).__name__}: pass a function of the scope instead."
+            )
+        return report
+    from . import fastapi_claim
+
+    claim = (
+        fastapi_claim.claim_dependency(principal)
+        if isinstance(principal, DependencyPrincipal)
+        else None
+    )
+    for op in fastapi_claim.operations(app):
+        resolved = ResolvedRoute(op.template, op.endpoint)
+        for method in sorted(op.methods):
+            policy, explicit = policy_for(method, resolved)
+            if policy is None or not policy.enabled:
+                continue
+            where = f"{method} {op.template}"
+            if isinstance(principal, DependencyPrincipal):
+                assert claim is not None
+                if not fastapi_claim.uses(op.dependant, principal.dependency):
+                    if explicit:
+                        problems.append(
+                            f"{where} is guarded, but does not use {principal.name}, so "
+                            f"{principal!r} cannot name its caller: add "
+                            f"Depends({principal.name}) to it, or exempt it with "
+                            "Policy(enabled=False)."
+                        )
+                    continue  # default policy only: left unguarded (public routes, /token)
+                if policy.transactional:
+                    problems.append(
+                        f"{where}: transactional policies need a principal known from the "
+                        f"request (a function of the scope), not {principal!r}."
+                    )
+                    continue
+                fastapi_claim.instrument(op, claim)
+                report.claim_endpoints.add(id(op.endpoint))
+            elif principal is AUTO:
+                found = fastapi_claim.per_caller_inputs(op.dependant)
+                if found:
+                    problems.append(
+                        f"{where} tells callers apart by {', '.join(found)}, which the "
+                        "guard cannot key on by itself: pass principal=from_dependency("
+                        "<the dependency that returns the caller>) (or another helper: "
+                        f"{HELPERS}); ANONYMOUS if callers truly share keys."
+                    )
+    return report
