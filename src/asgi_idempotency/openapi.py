@@ -11,9 +11,10 @@ guarded operation then shows what a client must know:
 - ``Retry-After`` on 409 and 503, ``Idempotent-Replayed`` on the success responses.
 
 Whether an operation is guarded is answered by ``guard_of(method, template)``;
-:func:`guard_of_for` gives the middleware's own answer. The middleware calls, once,
-at lifespan startup (or on its first request of any method when the server runs
-without lifespan, since that request may be ``GET /openapi.json``)::
+:func:`guard_of_for` gives the middleware's own answer. The one call the middleware
+is to make, once, at lifespan startup (or, when the server runs no lifespan, on its
+first request of any method, before safe methods are passed through, since that
+request may be ``GET /openapi.json``)::
 
     app = scope.get("app")
     install_openapi(app, guard_of_for(self, app))
@@ -162,7 +163,9 @@ def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
     else ``default_policy`` for methods in ``methods``; a disabled policy, a safe
     method or a template no route has is not guarded. The settings are read at each
     call, the routes once and again when a template is not found (a route added
-    since); a template the schema has but the router lacks answers ``None``.
+    since); a template the schema has but the router lacks answers ``None``. This
+    mirrors ``IdempotencyMiddleware._decide``: a change to one is a change to both
+    (tests/test_openapi.py sends real requests to check that they agree).
 
     Raises:
         Nothing: an app without a router has no routes, so nothing is guarded.
@@ -187,11 +190,13 @@ def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
 
 
 class _RouteIndex:
-    """(method, template) -> the route, as the policy lookup names it, over the whole router.
+    """(method, template) -> the route, as the policy lookup names it.
 
-    Walks as :class:`~.policy.RouteResolver` does (FastAPI's included routers flattened,
-    into Mounts and Hosts), keeping the first route per method and template, since the
-    router tries routes in order.
+    Covers what FastAPI's schema lists: the app's routes and its included routers,
+    flattened as :class:`~.policy.RouteResolver` flattens them, ``path_format``
+    being the template (prefixes in, convertors out: ``/files/{name}``). A Mount's
+    routes are never in the schema, so they are not walked. The first route per
+    method and template is kept, since the router tries routes in order.
     """
 
     def __init__(self, app: Any) -> None:
@@ -201,30 +206,27 @@ class _RouteIndex:
     def find(self, method: str, template: str) -> ResolvedRoute | None:
         for fresh in (False, True):
             if self._routes is None or fresh:
-                self._routes = {}
-                router = getattr(self._app, "router", None)
-                self._walk(getattr(router, "routes", ()), "")
+                self._routes = self._build()
             # A route without methods (a Starlette Route of a bare ASGI app) takes any.
             found = self._routes.get((method, template)) or self._routes.get((None, template))
             if found is not None:
                 return found
         return None
 
-    def _walk(self, routes: Iterable[Any], prefix: str) -> None:
-        assert self._routes is not None
-        for route in _expand(list(routes)):
-            original = getattr(route, "original_route", route)
-            if isinstance(original, Mount):
-                self._walk(original.routes, prefix + original.path)
+    def _build(self) -> dict[tuple[str | None, str], ResolvedRoute]:
+        routes: dict[tuple[str | None, str], ResolvedRoute] = {}
+        router = getattr(self._app, "router", None)
+        for route in _expand(list(getattr(router, "routes", ()))):
+            if isinstance(getattr(route, "original_route", route), (Mount, Host)):
                 continue
-            if isinstance(original, Host):
-                self._walk(original.routes, prefix)
+            template = getattr(route, "path_format", None)
+            if not isinstance(template, str):
                 continue
-            template = prefix + str(getattr(route, "path_format", None) or "")
             resolved = ResolvedRoute(template, getattr(route, "endpoint", None))
             methods: Iterable[str | None] = getattr(route, "methods", None) or (None,)
             for method in methods:
-                self._routes.setdefault((method, template), resolved)
+                routes.setdefault((method, template), resolved)
+        return routes
 
 
 def _problem_schema() -> dict[str, Any]:
