@@ -103,6 +103,11 @@ def shop() -> FastAPI:
     async def transfer() -> dict[str, str]:
         return {"ok": "yes"}
 
+    @app.post("/files/{name:path}")  # a convertor: the schema and the policies say {name}
+    @idempotent(required=True)
+    async def upload(name: str) -> dict[str, str]:
+        return {"name": name}
+
     @app.post("/payments")
     async def pay(idempotency_key: Annotated[str, Header()]) -> dict[str, str]:
         return {"key": idempotency_key}
@@ -158,6 +163,7 @@ async def test_required_optional_and_unguarded_operations() -> None:
         (CANCEL, "post", True),  # the policies map, "METHOD /template"
         (NOTES, "post", False),  # the default policy: key optional
         (NOTE, "patch", False),
+        ("/files/{name}", "post", True),
     ]:
         parameter = key_parameter(paths[template][method])
         assert parameter is not None, (method, template)
@@ -235,7 +241,7 @@ async def test_included_router_under_a_root_path() -> None:
 async def test_what_is_documented_is_what_the_middleware_enforces() -> None:
     app = guarded(shop())
     paths = (await served_schema(app))["paths"]
-    concrete = {"{order_id}": "7", "{note_id}": "3"}
+    concrete = {"{order_id}": "7", "{note_id}": "3", "{name}": "a/b.txt"}
     checked = 0
     async with client(app) as c:
         for template, item in paths.items():
@@ -261,7 +267,7 @@ async def test_what_is_documented_is_what_the_middleware_enforces() -> None:
                     assert sent[1].headers["idempotent-replayed"] == "true"
                     assert str(sent[1].status_code) in operation["responses"]
                 checked += 1
-    assert checked >= 9
+    assert checked >= 10
 
 
 async def test_openapi_twice_and_install_twice() -> None:
@@ -335,6 +341,33 @@ def test_guard_of_for_agrees_with_the_policy_lookup_by_hand() -> None:
     assert install_openapi(app, guard_of_for(mw, app))
     assert app.openapi() == hand
     assert SAFE_METHODS == _SAFE_METHODS  # the copy in openapi.py
+
+
+def test_guard_of_for_answers_as_the_middleware_decides() -> None:
+    app = shop()
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), policies=POLICIES)
+    guard_of = guard_of_for(mw, app)
+    assert guard_of("POST", REFUNDS) == Policy(required=True, max_body_bytes=2048)
+    assert guard_of("POST", CANCEL) is POLICIES[f"POST {CANCEL}"]
+    assert guard_of("POST", NOTES) is mw.default_policy
+    assert guard_of("POST", COMMENTS) is None  # Policy(enabled=False) in the map
+    assert guard_of("POST", "/exempt") is None  # @idempotent(enabled=False)
+    assert guard_of("GET", ORDER) is None
+    assert guard_of("PUT", TAG) is None
+    assert guard_of("POST", "/nowhere") is None  # the router would answer 404
+    assert guard_of("PATCH", REFUNDS) is None  # ... and 405
+    # The settings are read at each call, as the middleware reads them per request.
+    mw.methods = frozenset({"POST", "PATCH", "PUT"})
+    assert guard_of("PUT", TAG) is mw.default_policy
+
+
+def test_safe_methods_stay_untouched_whatever_guard_of_says() -> None:
+    # The middleware lets safe methods through before any policy is looked up.
+    schema = shop().openapi()
+    apply_to_schema(schema, lambda method, template, /: Policy(required=True))
+    assert key_parameter(schema["paths"][ORDER]["get"]) is None
+    assert "409" not in schema["paths"][ORDER]["get"]["responses"]
+    assert key_parameter(schema["paths"][TAG]["put"]) is not None
 
 
 def test_the_schema_is_valid_openapi() -> None:
