@@ -34,6 +34,7 @@ from .fingerprint import fingerprint_after, request_prefix
 from .keys import parse_key, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer
+from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .request import guard_headers, read_body
@@ -193,12 +194,15 @@ class IdempotencyMiddleware:
         if scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
             return
-        if scope["type"] != "http" or scope["method"] in SAFE_METHODS or GUARD_SCOPE_KEY in scope:
-            # Safe methods are never guarded; a request an outer guard holds is its alone.
+        if scope["type"] != "http" or GUARD_SCOPE_KEY in scope:
+            # A request an outer guard holds is its alone.
             await self.app(scope, receive, send)
             return
         if not self._started:
             self._start(scope.get("app"), on_request=True)
+        if scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
         guard = self._resolve(scope)
         if guard is None:
             await self.app(scope, receive, send)
@@ -236,6 +240,7 @@ class IdempotencyMiddleware:
         if isinstance(self.principal, DependencyPrincipal):
             self._claim_endpoints = claims
         self._forget_decisions()
+        install_openapi(app, guard_of_for(self, app))
         if problems:
             message = "\n".join(problems) if len(problems) == 1 else StartupReport(
                 problems
@@ -244,6 +249,25 @@ class IdempotencyMiddleware:
                 raise ValueError(message)
             self._refusal = PrincipalMisconfigured(message)
             self._observer.refused("<startup>", self._refusal)
+
+    def guard_for(self, method: str, resolved: ResolvedRoute | None, path: str) -> Policy | None:
+        """How a request of ``method`` to ``resolved`` (at ``path``) is guarded, or ``None``.
+
+        The one answer behind every request's decision and the OpenAPI document.
+        """
+        if method in SAFE_METHODS:
+            return None
+        policy = lookup(self._policies, method, resolved, path)
+        if policy is None and method in self._methods:
+            policy = self._default_policy
+        if policy is None or not policy.enabled:
+            return None
+        claims = self._claim_endpoints
+        if claims is not None and (resolved is None or id(resolved.endpoint) not in claims):
+            # from_dependency: a route that does not use the dependency cannot name its
+            # caller (an explicit policy there was refused at startup).
+            return None
+        return policy
 
     def _policy_for(self, method: str, resolved: ResolvedRoute) -> tuple[Policy | None, bool]:
         """The policy for ``method`` on ``resolved``, and whether it is explicit."""
@@ -303,15 +327,8 @@ class IdempotencyMiddleware:
             # The router will answer 404 or 405: no handler runs, nothing to guard.
             return None
         method, path = scope["method"], scope["path"]
-        policy = lookup(self._policies, method, resolved, path)
-        if policy is None and method in self._methods:
-            policy = self._default_policy
-        if policy is None or not policy.enabled:
-            return None
-        claims = self._claim_endpoints
-        if claims is not None and (resolved is None or id(resolved.endpoint) not in claims):
-            # from_dependency: a route that does not use the dependency cannot name its
-            # caller (an explicit policy there was refused at startup).
+        policy = self.guard_for(method, resolved, path)
+        if policy is None:
             return None
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"

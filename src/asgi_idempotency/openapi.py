@@ -41,7 +41,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import MAX_KEY_LENGTH
-from .policy import Policy, ResolvedRoute, _expand, lookup
+from .policy import Policy, ResolvedRoute, expand_routes
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -163,9 +163,8 @@ def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
     else ``default_policy`` for methods in ``methods``; a disabled policy, a safe
     method or a template no route has is not guarded. The settings are read at each
     call, the routes once and again when a template is not found (a route added
-    since); a template the schema has but the router lacks answers ``None``. This
-    mirrors ``IdempotencyMiddleware._decide``: a change to one is a change to both
-    (tests/test_openapi.py sends real requests to check that they agree).
+    since); a template the schema has but the router lacks answers ``None``. The
+    answer is the middleware's own ``guard_for``, which decides every request too.
 
     Raises:
         Nothing: an app without a router has no routes, so nothing is guarded.
@@ -179,12 +178,7 @@ def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
         if resolved is None:
             # The router would answer 404 or 405: no handler runs, as in _decide.
             return None
-        policy = lookup(middleware.policies, method, resolved, template)
-        if policy is None and method in middleware.methods:
-            policy = middleware.default_policy
-        if policy is None or not policy.enabled:
-            return None
-        return policy
+        return middleware.guard_for(method, resolved, template)
 
     return guard_of
 
@@ -216,7 +210,7 @@ class _RouteIndex:
     def _build(self) -> dict[tuple[str | None, str], ResolvedRoute]:
         routes: dict[tuple[str | None, str], ResolvedRoute] = {}
         router = getattr(self._app, "router", None)
-        for route in _expand(list(getattr(router, "routes", ()))):
+        for route in expand_routes(list(getattr(router, "routes", ()))):
             if isinstance(getattr(route, "original_route", route), (Mount, Host)):
                 continue
             template = getattr(route, "path_format", None)
