@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,8 @@ async def test_pathsend_file_response_delivers_and_replays_its_bytes(tmp_path: P
             await asyncio.sleep(3600)
             raise AssertionError
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
 
         await app(scope, receive, send)
         start = sent[0]
