@@ -64,7 +64,7 @@ async def test_the_readme_example_works_as_pasted(tmp_path: Path) -> None:
         cwd=tmp_path,
     ) as server:
         url = "/orders/42/refunds"
-        key = {"Idempotency-Key": "refund-order-42"}
+        key = {"Idempotency-Key": "refund-order-42", "X-API-Key": "key-acme-1"}
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
             first = asyncio.create_task(c.post(url, json={"amount": 4500}, headers=key))
             # Gate on the claim itself: the first request is in its handler once its
@@ -80,6 +80,11 @@ async def test_the_readme_example_works_as_pasted(tmp_path: Path) -> None:
             replayed = await c.post(url, json={"amount": 4500}, headers=key)
             mismatch = await c.post(url, json={"amount": 9999}, headers=key)
             missing = await c.post(url, json={"amount": 4500})
+            # Another client with the same key gets its own refund, never acme's.
+            other = await c.post(
+                url, json={"amount": 4500}, headers={**key, "X-API-Key": "key-globex-1"}
+            )
+            stranger = await c.post(url, json={"amount": 4500}, headers={**key, "X-API-Key": "x"})
 
     assert created.status_code == 201, created.text
     assert created.json()["order_id"] == 42
@@ -96,4 +101,8 @@ async def test_the_readme_example_works_as_pasted(tmp_path: Path) -> None:
     assert mismatch.status_code == 422
     assert mismatch.json()["type"] == "urn:asgi-idempotency:problem:key-reused"
     assert missing.status_code == 400
+    assert other.status_code == 201
+    assert "idempotent-replayed" not in other.headers
+    assert other.json()["refund_id"] != created.json()["refund_id"]
+    assert stranger.status_code == 401  # auth refused it before any claim
     assert (tmp_path / "refunds.db").exists()
