@@ -267,3 +267,60 @@ def test_each_body_form_has_a_marker_of_its_own() -> None:
     for form, material in ((_form(b"a=1"), pairs), (_form(body, content_type), parts)):
         assert form != _form(material, b"text/plain")
     assert _form(b'"a=1"', JSON) != _form(b'"a=1"', FORM) != _form(b'"a=1"', b"text/plain")
+
+
+# --- JSON members excluded by a policy ------------------------------------------------------
+
+
+def _json(body: bytes, exclude: tuple[str, ...] = ()) -> str:
+    return fingerprint("POST", "/events", b"", body, content_type=JSON, exclude=exclude)
+
+
+def test_excluded_members_are_removed_before_canonicalisation() -> None:
+    exclude = ("/timestamp", "/meta/request_id")
+    a = b'{"amount": 4500, "timestamp": "12:00:01", "meta": {"request_id": "r1", "v": 2}}'
+    b = b'{"meta": {"v": 2.0, "request_id": "r2"}, "timestamp": "12:00:09", "amount": 4500}'
+    assert _json(a, exclude) == _json(b, exclude) == _json(b'{"amount":4500,"meta":{"v":2}}')
+    assert _json(a) != _json(b)
+
+
+@pytest.mark.parametrize(
+    ("body", "exclude", "same_as"),
+    [
+        (b'{"a/b": 1, "m~n": 2, "k": 3}', ("/a~1b", "/m~0n"), b'{"k": 3}'),
+        (b'{"items": [{"n": 1, "nonce": "x"}, {"n": 2}]}', ("/items/0/nonce",),
+         b'{"items": [{"n": 1}, {"n": 2}]}'),
+        # Each pointer names an element of the document as sent: removing /0 first must
+        # not shift what /2 names.
+        (b'{"l": [0, 1, 2, 3]}', ("/l/0", "/l/2"), b'{"l": [1, 3]}'),
+        (b'{"l": [0, 1]}', ("/l/01", "/l/-", "/l/9", "/l/x"), b'{"l": [0, 1]}'),  # none
+        (b'{"": 1, "k": 2}', ("/",), b'{"k": 2}'),  # "/" names the member whose name is ""
+        (b'{"a": 1}', ("/a/b", "/missing/deeper"), b'{"a": 1}'),  # names nothing: skipped
+        (b'[{"t": 1}, 2]', ("/0/t", "/1/x"), b"[{}, 2]"),
+        (b'"just a string"', ("/t",), b'"just a string"'),
+    ],
+)  # fmt: skip
+def test_json_pointers_name_members_and_array_elements_as_rfc_6901_says(
+    body: bytes, exclude: tuple[str, ...], same_as: bytes
+) -> None:
+    assert _json(body, exclude) == _json(same_as)
+
+
+def test_an_exclusion_leaves_invalid_json_hashed_as_sent() -> None:
+    assert _json(b'{"t": 1', ("/t",)) == _json(b'{"t": 1')
+
+
+def test_an_invalid_pointer_is_refused_by_fingerprint_too() -> None:
+    with pytest.raises(ValueError, match="must start with '/'"):
+        _json(b"{}", ("t",))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=values)
+def test_excluding_a_pointer_that_names_nothing_keeps_the_default_digest(value: Any) -> None:
+    # The exclusion path parses and serialises on its own; where it removes nothing it
+    # must give the digest of a policy without exclusions, or turning it on would 422
+    # every key in flight.
+    body = json.dumps(value).encode()
+    absent = "/" + "\x00never"
+    assert _json(body, (absent,)) == _json(body)

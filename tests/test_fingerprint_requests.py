@@ -1,7 +1,8 @@
 """The fingerprint through the middleware, with real httpx requests and a real Starlette app.
 
 Forms re-sent by a client (a fresh multipart boundary, reordered fields) are the same
-request. The handler parses what it receives with Starlette's own form parser.
+request; a policy's excluded JSON members (a client's per-attempt timestamp) do not
+count. The handler parses what it receives with Starlette's own form parser.
 """
 
 from __future__ import annotations
@@ -113,4 +114,36 @@ async def test_a_reordered_urlencoded_form_is_replayed_and_a_changed_field_is_42
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert changed.status_code == 422
+    assert u.runs == 1
+
+
+async def _stamped(u: Uploads, amounts: tuple[int, ...]) -> list[httpx.Response]:
+    """Posts each amount under one key, each body stamped afresh as a client's retry would be."""
+    async with u.client() as c:
+        return [
+            await c.post(
+                "/events",
+                json={"amount": a, "timestamp": uuid.uuid4().hex, "meta": {"request_id": str(i)}},
+                headers=KEY,
+            )
+            for i, a in enumerate(amounts)
+        ]
+
+
+async def test_excluded_json_members_do_not_count_and_the_rest_still_does() -> None:
+    policy = Policy(fingerprint_exclude=("/timestamp", "/meta/request_id"))
+    u = Uploads(policies={"POST /events": policy})
+    first, again, changed = await _stamped(u, (4500, 4500, 4501))
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert changed.status_code == 422  # the amount is still part of the request
+    assert u.runs == 1
+
+
+async def test_without_the_exclusion_a_fresh_timestamp_is_a_different_request() -> None:
+    u = Uploads(policies={"POST /events": Policy()})
+    first, again = await _stamped(u, (4500, 4500))
+    assert first.status_code == 201
+    assert again.status_code == 422
     assert u.runs == 1

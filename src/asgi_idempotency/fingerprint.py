@@ -7,13 +7,24 @@ no two forms can collide: canonical JSON (``j``), a URL-encoded form's sorted pa
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import parse_qsl, unquote_to_bytes
 
-from .canonical import canonicalize_json_bytes
+import orjson
 
-__all__ = ["fingerprint", "fingerprint_after", "is_json", "request_prefix"]
+from .canonical import CanonicalJSONError, canonical_json, canonicalize_json_bytes
+
+__all__ = [
+    "fingerprint",
+    "fingerprint_after",
+    "is_json",
+    "json_pointer_tokens",
+    "request_prefix",
+]
 
 # Marker bytes: which form of the body was hashed. Records store digests made with
 # "j" and "r" since the first release; "f" and "m" are new, never reused.
@@ -64,6 +75,7 @@ def fingerprint(
     *,
     content_type: bytes | None = None,
     headers: Iterable[tuple[bytes, bytes]] = (),
+    exclude: tuple[str, ...] = (),
 ) -> str:
     """SHA-256 hex of method, path, sorted query, chosen headers and the body.
 
@@ -71,15 +83,20 @@ def fingerprint(
     same request is not told it changed:
 
     - JSON (``application/json``, ``*+json``) is canonicalised (sorted keys, compact,
-      ``4500.0 == 4500``);
+      ``4500.0 == 4500``), after removing the members that the JSON Pointers in
+      ``exclude`` (RFC 6901, e.g. ``"/timestamp"``) name;
     - ``application/x-www-form-urlencoded`` counts as its sorted, decoded
       ``(name, value)`` pairs, so reordered fields are the same request;
     - ``multipart/form-data`` counts as its sorted parts, each its name, filename,
       content type and SHA-256 of its content, whatever the boundary;
     - anything else, and a JSON or multipart body that does not parse, is hashed as sent.
+
+    Raises:
+        ValueError: a pointer in ``exclude`` does not start with ``/`` or has a ``~``
+            not followed by ``0`` or ``1``.
     """
     prefix = request_prefix(method, path)
-    return fingerprint_after(prefix, query_string, body, content_type, headers)
+    return fingerprint_after(prefix, query_string, body, content_type, headers, exclude=exclude)
 
 
 def request_prefix(method: str, path: str) -> bytes:
@@ -99,6 +116,8 @@ def fingerprint_after(
     body: bytes,
     content_type: bytes | None = None,
     headers: Iterable[tuple[bytes, bytes]] = (),
+    *,
+    exclude: tuple[str, ...] = (),
 ) -> str:
     """:func:`fingerprint` from the :func:`request_prefix` of its method and path."""
     # Records store this digest: the bytes hashed must never change, or every key in
@@ -107,7 +126,11 @@ def fingerprint_after(
     if body and content_type:
         kind = _kind(content_type)
         if kind is _JSON:
-            canonical = canonicalize_json_bytes(body)
+            # An empty exclude (every default policy) takes the path it always took.
+            if exclude:
+                canonical = _canonical_json_without(body, exclude)
+            else:
+                canonical = canonicalize_json_bytes(body)
             if canonical is not None:
                 marker, material = _JSON, canonical
         elif kind is _FORM:
@@ -254,3 +277,94 @@ def _multipart_parts(body: bytes, content_type: bytes) -> bytes | None:
         )
     records.sort()
     return b"".join(records)
+
+
+# --- JSON Pointers excluded from a JSON body ---------------------------------------------
+
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")  # RFC 6901 section 4: no leading zeros
+_BAD_ESCAPE = re.compile(r"~(?![01])")
+
+
+def json_pointer_tokens(pointer: str) -> tuple[str, ...]:
+    """The reference tokens of an RFC 6901 JSON Pointer, ``~1`` and ``~0`` unescaped.
+
+    ``"/meta/request_id"`` gives ``("meta", "request_id")``; ``"/a~1b"`` gives
+    ``("a/b",)``. The whole document (``""``) cannot be named: excluding it would make
+    every body the same request.
+
+    Raises:
+        ValueError: ``pointer`` does not start with ``/``, or has a ``~`` not
+            followed by ``0`` or ``1``.
+    """
+    if not isinstance(pointer, str) or not pointer.startswith("/"):
+        raise ValueError(
+            f"{pointer!r} is not a JSON Pointer to a member: it must start with '/', "
+            'e.g. "/timestamp" or "/meta/request_id" (RFC 6901)'
+        )
+    if _BAD_ESCAPE.search(pointer):
+        raise ValueError(
+            f"{pointer!r} is not a JSON Pointer: '~' must be followed by 0 ('~') or 1 ('/')"
+        )
+    # ~1 before ~0, so that "~01" is "~1" and not "/" (RFC 6901 section 4).
+    return tuple(t.replace("~1", "/").replace("~0", "~") for t in pointer[1:].split("/"))
+
+
+@functools.lru_cache(maxsize=256)
+def _tokens(exclude: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    # One parse per policy's tuple, not per request.
+    return tuple(json_pointer_tokens(p) for p in exclude)
+
+
+_MISSING: Any = object()
+
+
+def _child(container: Any, token: str) -> Any:
+    if type(container) is dict:
+        return container.get(token, _MISSING)
+    if type(container) is list and _ARRAY_INDEX.fullmatch(token):
+        index = int(token)
+        return container[index] if index < len(container) else _MISSING
+    return _MISSING
+
+
+def _remove(document: Any, pointers: tuple[tuple[str, ...], ...]) -> None:
+    """Remove what each pointer names in ``document``; a pointer that names nothing is skipped.
+
+    Every pointer is resolved against the document as sent before anything is
+    removed: removing ``/items/0`` first would otherwise shift what ``/items/1`` names.
+    """
+    members: list[tuple[dict[str, Any], str]] = []
+    elements: dict[int, tuple[list[Any], set[int]]] = {}
+    for tokens in pointers:
+        parent = document
+        for token in tokens[:-1]:
+            parent = _child(parent, token)
+        last = tokens[-1]
+        if _child(parent, last) is _MISSING:
+            continue
+        if type(parent) is dict:
+            members.append((parent, last))
+        else:
+            elements.setdefault(id(parent), (parent, set()))[1].add(int(last))
+    for obj, name in members:
+        obj.pop(name, None)
+    for array, indexes in elements.values():
+        for index in sorted(indexes, reverse=True):
+            del array[index]
+
+
+def _canonical_json_without(body: bytes, exclude: tuple[str, ...]) -> bytes | None:
+    """:func:`canonicalize_json_bytes` of ``body`` with the members ``exclude`` names removed."""
+    pointers = _tokens(exclude)
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    _remove(document, pointers)
+    try:
+        # canonical_json of a parsed document gives the bytes canonicalize_json_bytes
+        # gives for its text (tests/test_fingerprint.py): excluding a pointer that names
+        # nothing leaves the digest a policy without exclusions computes.
+        return canonical_json(document)
+    except CanonicalJSONError:
+        return None

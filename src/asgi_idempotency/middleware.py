@@ -279,7 +279,12 @@ class IdempotencyMiddleware:
             [(n.lower(), v) for n, v in scope["headers"] if n.lower() in names] if names else ()
         )
         request_hash = fingerprint_after(
-            guard.prefix, scope.get("query_string", b""), body, content_type, chosen
+            guard.prefix,
+            scope.get("query_string", b""),
+            body,
+            content_type,
+            chosen,
+            exclude=policy.fingerprint_exclude,
         )
         # Called here, not through an async helper: most principal functions answer
         # synchronously, and this spares the request a coroutine.
