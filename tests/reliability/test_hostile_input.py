@@ -365,7 +365,10 @@ async def test_any_body_gets_the_handler_or_a_clear_413(
 @HYPO
 @given(
     key=st.text(
-        st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64
+        # Bare tokens: no leading quote, and no comma (which would make a list, a 400).
+        st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters=","),
+        min_size=1,
+        max_size=64,
     ).filter(lambda k: not k.startswith('"')),
     same_body=st.booleans(),
     anonymous_second=st.booleans(),
