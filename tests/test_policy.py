@@ -340,3 +340,34 @@ async def test_one_middleware_resolves_each_router_it_is_given_on_its_own() -> N
             strict_status = (await c.post("/pay", headers={"x-app": "strict"})).status_code
             lax_status = (await c.post("/pay", headers={"x-app": "lax"})).status_code
             assert (strict_status, lax_status) == (400, 201)
+
+
+@pytest.mark.parametrize(
+    ("pointer", "reason"),
+    [
+        ("timestamp", "must start with '/'"),
+        ("", "must start with '/'"),  # the whole document: every body would be one request
+        ("/a~2b", "'~' must be followed by 0"),
+        ("/a~", "'~' must be followed by 0"),
+    ],
+)
+def test_fingerprint_exclude_refuses_what_is_not_a_json_pointer(pointer: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        Policy(fingerprint_exclude=("/ok", pointer))
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        idempotent(fingerprint_exclude=[pointer])
+
+
+def test_fingerprint_exclude_refuses_a_lone_string_and_keeps_a_tuple() -> None:
+    with pytest.raises(TypeError, match=re.escape("('/timestamp',)")):
+        Policy(fingerprint_exclude="/timestamp")  # type: ignore[arg-type]  # a str, not a tuple
+    listed = Policy(fingerprint_exclude=["/timestamp", "/a~1b/0"])  # type: ignore[arg-type]
+    assert listed.fingerprint_exclude == ("/timestamp", "/a~1b/0")
+    assert listed == Policy(fingerprint_exclude=("/timestamp", "/a~1b/0"))
+
+    @idempotent(fingerprint_exclude=iter(["/timestamp"]))
+    async def endpoint() -> None: ...
+
+    found = policy_of(endpoint)
+    assert found is not None
+    assert found.fingerprint_exclude == ("/timestamp",)

@@ -17,21 +17,31 @@ __all__ = [
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
 # The common form, matched whole before the full parse below: a bare token of visible
-# ASCII, optional spaces or tabs around.
-_BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
-# Visible ASCII, for the commonest form of all: the bare token with nothing around it,
-# recognised by deleting these and finding nothing left (bytes.translate, one C call).
-_VISIBLE = bytes(range(0x21, 0x7F))
+# ASCII without a comma, optional spaces or tabs around. A bare comma makes the value a
+# list (``a,b``, or the header sent twice and folded by a proxy, RFC 9110 §5.3); the
+# full parse below refuses it with its own reason.
+_BARE_TOKEN = re.compile(rb"[ \t]*([\x21-\x2b\x2d-\x7e]{1,%d})[ \t]*" % MAX_KEY_LENGTH)
+# Visible ASCII but the comma, for the commonest form of all: the bare token with nothing
+# around it, recognised by deleting these and finding nothing left (bytes.translate, one
+# C call); a comma is left behind, so a list never takes this path.
+_VISIBLE = bytes(c for c in range(0x21, 0x7F) if c != 0x2C)
+_LIST_DETAIL = (
+    "The Idempotency-Key holds a comma-separated list (or the header was sent more than "
+    "once and folded into one); send exactly one key per request. A key that contains a "
+    'comma must be sent as a quoted string, e.g. "a,b".'
+)
 
 def parse_key(raw: bytes) -> str:
     """Validate one header value and return the key it carries.
 
-    Accepts a bare token (1..255 visible ASCII characters) or the Structured Field
-    string form of draft-ietf-httpapi-idempotency-key-header (``"abc"``, with ``\\"``
-    and ``\\\\`` escapes); both spell the same key.
+    Accepts a bare token (1..255 visible ASCII characters, no comma) or the
+    Structured Field string form of draft-ietf-httpapi-idempotency-key-header
+    (``"abc"``, with ``\\"`` and ``\\\\`` escapes); both spell the same key. A comma
+    inside the quotes is part of the string (``"a,b"`` is the key ``a,b``); outside
+    them it separates list members, and a request carries one key.
 
     Raises:
-        InvalidKey: empty, too long, or outside printable ASCII.
+        InvalidKey: empty, too long, outside printable ASCII, or a list of values.
     """
     if 0 < len(raw) <= MAX_KEY_LENGTH and raw[0] != 0x22 and not raw.translate(None, _VISIBLE):
         return raw.decode("ascii")  # what the match below gives for such a value
@@ -46,6 +56,8 @@ def parse_key(raw: bytes) -> str:
     if value.startswith(b'"'):
         key = _parse_sf_string(value)
     else:
+        if b"," in value:
+            raise InvalidKey(_LIST_DETAIL)
         if any(c < 0x21 or c > 0x7E for c in value):
             raise InvalidKey(
                 "The Idempotency-Key must be printable ASCII without spaces, "
@@ -71,6 +83,10 @@ def _parse_sf_string(value: bytes) -> str:
             i += 2
         elif c == 0x22:
             if i != end - 1:
+                # A string that ends before the value does: `"a", "b"` is a list of two
+                # (RFC 8941 §3.1), not a malformed string, and gets the list's reason.
+                if value[i + 1 :].lstrip(b" \t").startswith(b","):
+                    raise InvalidKey(_LIST_DETAIL)
                 break
             return out.decode("ascii")
         elif 0x20 <= c <= 0x7E:

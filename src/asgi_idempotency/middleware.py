@@ -385,7 +385,12 @@ class IdempotencyMiddleware:
             [(n.lower(), v) for n, v in scope["headers"] if n.lower() in names] if names else ()
         )
         request_hash = fingerprint_after(
-            guard.prefix, scope.get("query_string", b""), body, content_type, chosen
+            guard.prefix,
+            scope.get("query_string", b""),
+            body,
+            content_type,
+            chosen,
+            exclude=policy.fingerprint_exclude,
         )
         where = host.decode("latin-1").lower() if self.scope_by_host else ""
         if principal is None:  # named when FastAPI resolves the dependency

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 from starlette.routing import Host, Match, Mount
 
 from .asgi import Scope
+from .fingerprint import json_pointer_tokens
 
 __all__ = [
     "Policy",
@@ -101,11 +102,19 @@ class Policy:
         fingerprint_headers: request headers (case-insensitive) that enter the
             fingerprint besides method, path, query and body.
         transactional: run the handler inside the claim's Postgres transaction.
+        fingerprint_exclude: JSON Pointers (RFC 6901, e.g. ``"/timestamp"``,
+            ``"/meta/request_id"``, ``"/items/0/nonce"``; ``~1`` for ``/`` and ``~0``
+            for ``~`` in a name) of members removed from a JSON body before it is
+            fingerprinted, for values a client stamps afresh on every attempt. A
+            pointer that names nothing in a body is skipped. Other body types are
+            not affected. Any iterable of strings; kept as a tuple.
 
     Raises:
-        TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None).
+        TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);
+            ``fingerprint_exclude`` is a single string rather than a collection of them.
         ValueError: ``ttl`` or ``lease`` is not positive; a ``lease`` given explicitly
-            exceeds ``ttl``; ``max_body_bytes`` is negative.
+            exceeds ``ttl``; ``max_body_bytes`` is negative; a ``fingerprint_exclude``
+            pointer does not start with ``/`` or has a ``~`` not followed by 0 or 1.
     """
 
     enabled: bool = True
@@ -115,6 +124,7 @@ class Policy:
     max_body_bytes: int = 1024 * 1024
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
+    fingerprint_exclude: tuple[str, ...] = ()
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     _renew_every: float = field(init=False, repr=False, compare=False)
 
@@ -134,6 +144,16 @@ class Policy:
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
+        if isinstance(self.fingerprint_exclude, str):
+            # A lone "/timestamp" would otherwise be read as the pointers "/", "t", ...
+            raise TypeError(
+                "fingerprint_exclude takes a collection of JSON Pointers, e.g. "
+                f"({self.fingerprint_exclude!r},), not a single string"
+            )
+        exclude = tuple(self.fingerprint_exclude)
+        for pointer in exclude:
+            json_pointer_tokens(pointer)  # refused here, at startup, not on a request
+        object.__setattr__(self, "fingerprint_exclude", exclude)
         object.__setattr__(self, "lease", lease)
         object.__setattr__(self, "_header_names", names)
         object.__setattr__(self, "_renew_every", lease.total_seconds() / 3)
@@ -157,6 +177,7 @@ def idempotent(
     max_body_bytes: int = 1024 * 1024,
     fingerprint_headers: Iterable[str] = (),
     transactional: bool = False,
+    fingerprint_exclude: Iterable[str] = (),
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
@@ -173,6 +194,7 @@ def idempotent(
         max_body_bytes=max_body_bytes,
         fingerprint_headers=tuple(fingerprint_headers),
         transactional=transactional,
+        fingerprint_exclude=tuple(fingerprint_exclude),
     )
 
     def mark(func: F) -> F:

@@ -117,15 +117,17 @@ def policies() -> list[Policy]:
         max_body_bytes=64 * 1024,
         fingerprint_headers=("x-tenant",),
         transactional=False,
+        fingerprint_exclude=("/timestamp", "/meta/request_id"),
     )
     assert_type(strict.lease, timedelta)
+    assert_type(strict.fingerprint_exclude, tuple[str, ...])
     assert_type(strict.renew_every, float)
     Policy(ttl=30)  # type: ignore[arg-type]  # a bare number: seconds or milliseconds?
     Policy(lease=None)  # type: ignore[arg-type]  # leave it out for the default
     return [strict, Policy()]
 
 
-@idempotent(required=True, ttl=timedelta(minutes=5))
+@idempotent(required=True, ttl=timedelta(minutes=5), fingerprint_exclude=["/timestamp"])
 async def refund(request: Request) -> JSONResponse:
     return JSONResponse({"ok": True}, status_code=201)
 

@@ -3,6 +3,10 @@
 They keep their own version table (``idempotency_alembic_version``) so they live
 beside an application's own alembic history without touching it.
 
+An application's own alembic autogenerate would propose dropping both tables, which
+its models do not know; :func:`include_object` is the filter that keeps them out of
+its comparison (see the README's Alembic in your project section).
+
 Besides ``upgrade``/``downgrade``, this module answers the store's startup question
 "is this database migrated?" (:func:`schema_problem`) and records the head for a
 schema built from the ``Table`` itself (:func:`stamp_head`, used by ``create_all``
@@ -24,6 +28,7 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
+from sqlalchemy.schema import SchemaItem
 
 __all__ = [
     "TABLE",
@@ -32,6 +37,7 @@ __all__ = [
     "alembic_config",
     "downgrade",
     "head",
+    "include_object",
     "schema_problem",
     "stamp_head",
     "upgrade",
@@ -40,10 +46,36 @@ __all__ = [
 VERSION_TABLE = "idempotency_alembic_version"
 TABLE = "idempotency_records"
 SCRIPT_LOCATION = str(Path(__file__).parent)
+_OURS = frozenset((TABLE, VERSION_TABLE))
 
 
 class SchemaConflict(RuntimeError):
     """``upgrade`` found a records table it did not create and that differs from the head."""
+
+
+def include_object(
+    obj: SchemaItem,
+    name: str | None,
+    type_: str,
+    reflected: bool,
+    compare_to: SchemaItem | None,
+) -> bool:
+    """An alembic ``include_object`` filter that leaves this package's tables alone.
+
+    Alembic calls it positionally with the schema object, its name, its kind
+    (``"table"``, ``"column"``, ``"index"``, ...), whether it was reflected from the
+    database, and what it is compared with. Pass it to
+    ``context.configure(include_object=include_object)`` in your project's
+    ``env.py``: ``alembic revision --autogenerate`` then no longer proposes dropping
+    ``idempotency_records`` (with its index and columns) or ``idempotency_alembic_version``,
+    which ``asgi-idempotency migrate`` keeps. Everything else is included, so to
+    combine it with a filter of your own, return ``include_object(...) and yours(...)``.
+    """
+    if type_ == "table":
+        return name not in _OURS
+    # Columns, indexes and constraints: excluded with the table they belong to.
+    table = getattr(obj, "table", None)
+    return getattr(table, "name", None) not in _OURS
 
 
 def alembic_config(url: str) -> Config:
