@@ -1,0 +1,47 @@
+"""An app served in process after its lifespan startup, as uvicorn would start it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+__all__ = ["StartupFailed", "refuses", "served"]
+
+
+@asynccontextmanager
+async def served(
+    app: Any, base_url: str = "http://shop.example"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The app after its lifespan startup, and a client; raises if startup failed."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    task = asyncio.create_task(app(scope, inbox.get, outbox.put))
+    await inbox.put({"type": "lifespan.startup"})
+    answer = await asyncio.wait_for(outbox.get(), 10)
+    if answer["type"] != "lifespan.startup.complete":
+        await asyncio.wait_for(task, 10)
+        raise StartupFailed(answer.get("message", ""))
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url=base_url) as c:
+            yield c
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await asyncio.wait_for(task, 10)
+
+
+class StartupFailed(Exception):
+    pass
+
+
+async def refuses(app: Any) -> str:
+    with pytest.raises(StartupFailed) as failed:
+        async with served(app):
+            pass
+    return str(failed.value)
