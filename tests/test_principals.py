@@ -673,3 +673,18 @@ def test_helpers_refuse_what_cannot_name_a_caller() -> None:
     assert repr(ANONYMOUS) == "ANONYMOUS"
     assert from_headers("A")({"headers": [(b"a", b"x")]}) == "1:x"
     assert from_headers("A")({"headers": [(b"a", b"x"), (b"A", b"y")]}) is None  # sent twice
+
+
+async def test_two_listeners_of_one_host_name_share_its_records() -> None:
+    """Workers or replicas behind one name may take requests on different ports."""
+    effects = Effects()
+    app = gateway_app(effects, principal=from_headers("X-User-Id"))
+    async with (
+        served(app, "http://shop.example:8001") as a,
+        served(app, "http://SHOP.example:8002") as b,
+    ):
+        headers = {"Idempotency-Key": KEY, "X-User-Id": "1"}
+        await a.post("/subscriptions", json=BODY, headers=headers)
+        via_b = await b.post("/subscriptions", json=BODY, headers=headers)
+    assert via_b.headers["idempotent-replayed"] == "true"
+    assert len(effects.runs) == 1

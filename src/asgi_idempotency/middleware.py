@@ -37,7 +37,7 @@ from .observer import Observer
 from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
-from .request import guard_headers, read_body
+from .request import guard_headers, host_name, read_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import PreparedStore, Store, TransactionalStore, utcnow
 
@@ -392,7 +392,7 @@ class IdempotencyMiddleware:
             chosen,
             exclude=policy.fingerprint_exclude,
         )
-        where = host.decode("latin-1").lower() if self.scope_by_host else ""
+        where = host_name(host) if self.scope_by_host else ""
         if principal is None:  # named when FastAPI resolves the dependency
             return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
         principal = str(principal)

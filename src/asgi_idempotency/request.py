@@ -10,7 +10,7 @@ from .asgi import Headers, Message, Receive
 from .errors import BodyTooLarge, InvalidKey
 from .keys import HEADER
 
-__all__ = ["guard_headers", "read_body", "replay_body"]
+__all__ = ["guard_headers", "host_name", "read_body", "replay_body"]
 
 
 def guard_headers(
@@ -40,6 +40,20 @@ def guard_headers(
         elif name == b"host":
             host = value
     return key, content_type, content_length, host
+
+
+def host_name(host: bytes) -> str:
+    """The name a ``Host`` header gives, lower case, without its port.
+
+    Tenants are told apart by name (``acme.shop.example``); the port only says which
+    listener took the request, and two workers or replicas behind one name may differ
+    in it.
+    """
+    name = host.decode("latin-1").strip().lower()
+    if name.startswith("["):  # an IPv6 literal: [::1]:8000
+        end = name.find("]")
+        return name[: end + 1] if end > 0 else name
+    return name.rpartition(":")[0] if ":" in name else name
 
 
 def _too_large(limit: int) -> BodyTooLarge:

@@ -35,7 +35,7 @@ JSON = (b"content-type", b"application/json")
 def _raw_post(port: int, path: str, key: str, body: dict[str, Any]) -> socket.socket:
     payload = orjson.dumps(body)
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    # The Host httpx sends for the retry: records are scoped by host.
+    # Records are scoped by host name (not port): 127.0.0.1 like the retry.
     sock.sendall(
         b"POST %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nIdempotency-Key: %s\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
