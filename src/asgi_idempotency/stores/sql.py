@@ -201,10 +201,16 @@ class SQLStore:
         if problem is not None:
             url = redact(self.engine.url.render_as_string(hide_password=False))
             real = " (with the real password for ***)" if "***" in url else ""
+            why = (
+                "On Postgres the schema is the operator's: the middleware checks it at "
+                "startup and creates nothing."
+            )
+            # The URL (host, port, user, database) is for the log; clients get the rest.
             raise SchemaMissing(
                 f"{problem} in {url}: run `asgi-idempotency migrate --database-url '{url}'`"
-                f"{real}. On Postgres the schema is the operator's: the middleware checks "
-                "it at startup and creates nothing."
+                f"{real}. {why}",
+                detail=f"{problem} in the idempotency store's database: run `asgi-idempotency "
+                f"migrate --database-url URL` on it (the server's log names it). {why}",
             )
         self._prepared = True
 
