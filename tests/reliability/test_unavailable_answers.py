@@ -208,7 +208,7 @@ async def test_postgres_unresolvable_host_is_a_503(caplog: pytest.LogCaptureFixt
     caplog.set_level(logging.ERROR, logger="asgi_idempotency")
     response, calls = await _post(SQLStore(url, command_timeout=5))
     _assert_unavailable(response, calls, caplog, reason="gaierror",
-                        secrets=["someone", host, "somedb"])  # fmt: skip
+                        secrets=["someone", host, "5432", "somedb"])  # fmt: skip
 
 
 @pytest.mark.redis
