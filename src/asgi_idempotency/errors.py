@@ -7,11 +7,11 @@
     ├── InvalidKey              400  empty, too long, not printable ASCII, sent twice
     ├── BodyTooLarge            413  request body over the policy's limit
     ├── KeyMismatch             422  same key, different request
-    ├── RequestInProgress       409  same key still running elsewhere (Retry-After)
+    ├── RequestInProgress       409  same key still running elsewhere (Retry-After; no-store)
     ├── ResponseNotKept         410  stored for a streamed response too large to keep
     ├── PrincipalMissing        401  the request names no caller, and keys are per caller
     ├── PrincipalMisconfigured  500  the guard cannot tell callers apart as wired: names the fix
-    └── StoreUnavailable        503  the store failed; the handler did not run (Retry-After)
+    └── StoreUnavailable        503  the store failed, the handler never ran (Retry-After; no-store)
         └── StoreError               raised by a store: unreachable, timed out, driver error
             └── SchemaMissing        the table or its migration is missing: names the fix
 
@@ -19,11 +19,17 @@ Stores translate their driver's exceptions into :class:`StoreError` at their own
 boundary (``raise StoreError(...) from exc``), so nothing above ``stores/`` ever
 catches a driver type. The client half (``asgi_idempotency.client``) has errors of
 its own and imports nothing from here.
+
+Every error has two texts: ``detail``, the sentence every client may read in the
+problem body, and ``str(exc)``, the message for the server's log. They are the same
+except for store errors, whose message is the driver's reason (it may name the host,
+the database and the user) while their ``detail`` is a fixed sentence that names none.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import orjson
 
@@ -54,9 +60,15 @@ class IdempotencyError(Exception):
     status: int = 500
     slug: str = "error"
     title: str = "Idempotency error"
+    # Answers about this moment only (a request still running, a store that is down): a
+    # cache that kept one would go on answering it after the cause had passed.
+    no_store: bool = False
 
-    def __init__(self, detail: str, *, retry_after: float | None = None) -> None:
-        super().__init__(detail)
+    def __init__(
+        self, detail: str, *, retry_after: float | None = None, message: str | None = None
+    ) -> None:
+        """``detail`` goes to the client; ``message`` (default: ``detail``) is ``str(exc)``."""
+        super().__init__(detail if message is None else message)
         self.detail = detail
         self.retry_after = retry_after
 
@@ -74,6 +86,8 @@ class IdempotencyError(Exception):
         if self.retry_after is not None:
             seconds = max(1, math.ceil(self.retry_after))
             headers.append((b"retry-after", str(seconds).encode()))
+        if self.no_store:
+            headers.append((b"cache-control", b"no-store"))
         return headers
 
     async def send(self, send: Send) -> None:
@@ -109,6 +123,7 @@ class RequestInProgress(IdempotencyError):
     status = 409
     slug = "in-progress"
     title = "A request with this Idempotency-Key is in progress"
+    no_store = True
 
 
 class ResponseNotKept(IdempotencyError):
@@ -146,30 +161,57 @@ class StoreUnavailable(IdempotencyError):
     status = 503
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+    no_store = True
+
+
+# What a client learns of any store failure: the reason (a host, a database, a role,
+# the driver's words) is the operator's, and goes to the log with the key digest.
+UNAVAILABLE_DETAIL = (
+    "The idempotency store is unavailable and the request was not processed; "
+    "retry with the same Idempotency-Key."
+)
 
 
 class StoreError(StoreUnavailable):
     """A store could not answer: unreachable, timed out, read-only, or a driver error.
 
-    The message names the driver's exception class and its message, never a key or a
-    body; the middleware answers such a failure with its own 503 (or runs the handler
-    unguarded with ``fail_open``).
+    ``str(exc)`` names the driver's exception class and its message (credentials
+    removed), never a key or a body: it is for the log. ``detail``, what a client may
+    see, is a fixed sentence. The middleware answers such a failure with its own 503
+    (or runs the handler unguarded with ``fail_open``).
     """
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
+    def __init__(self, message: str, *, detail: str = UNAVAILABLE_DETAIL) -> None:
+        super().__init__(detail, message=message)
 
     @classmethod
     def wrap(cls, exc: BaseException) -> StoreError:
-        """The one spelling of a translated driver error: ``"ClassName: message"``."""
-        return cls(f"{type(exc).__name__}: {exc}")
+        """The one spelling of a translated driver error: ``"ClassName: message"``, with
+        any password in the message masked (a driver's message may quote its DSN)."""
+        return cls(f"{type(exc).__name__}: {_scrub(str(exc))}")
+
+
+# userinfo in a URL (scheme://user:secret@host), and key=value forms of a DSN or option.
+_URL_PASSWORD = re.compile(r"(?P<keep>\b[a-z][a-z0-9+.-]*://[^:/?#@\s]*:)[^@\s]*@", re.IGNORECASE)
+_KEY_PASSWORD = re.compile(
+    r"(?P<keep>\b(?:password|passwd|pwd|passfile)\s*[=:]\s*)(?:'[^']*'|\"[^\"]*\"|[^\s,;&)]+)",
+    re.IGNORECASE,
+)
+
+
+def _scrub(message: str) -> str:
+    """``message`` with any password in it replaced by ``***``."""
+    message = _URL_PASSWORD.sub(r"\g<keep>***@", message)
+    return _KEY_PASSWORD.sub(r"\g<keep>***", message)
 
 
 class SchemaMissing(StoreError):
     """The store's database lacks the records table, or the migration head is not applied.
 
-    On Postgres the schema is the operator's: the message names the table and the
-    command that fixes it (``asgi-idempotency migrate --database-url ...``). Raised by
-    ``SQLStore.prepare()``; the middleware fails lifespan startup with it, or answers
-    503 with it as the ``detail`` when the app runs without a lifespan.
+    On Postgres the schema is the operator's: the message names the table, the
+    database's URL (password masked) and the command that fixes it (``asgi-idempotency
+    migrate --database-url ...``); ``detail`` says the same without the URL. Raised by
+    ``SQLStore.prepare()``; the middleware fails lifespan startup with the ``detail``
+    (and logs the message), or answers 503 with the ``detail`` when the app runs
+    without a lifespan.
     """

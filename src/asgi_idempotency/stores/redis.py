@@ -35,12 +35,17 @@ passed but whose TTL has not behaves as new all the same (the lifecycle reads
 Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
 ``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` in one place,
 :func:`translate`, so the middleware's 503 fail-closed path applies unchanged.
+
+redis-py's connections belong to the event loop that opened them: on another loop
+the store builds a new client (from its URL) and closes the old one on its own loop
+as that loop shuts down (:mod:`.loops`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -50,6 +55,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ..errors import StoreError
 from ..urls import REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .loops import LoopTenure
 from .statements import decode_headers, encode_headers
 
 try:
@@ -252,6 +258,10 @@ class RedisStore:
             README's Redis and Redis Cluster section.
         wait_timeout: seconds ``WAIT`` may block (default 1).
 
+    Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
+    are fine with a URL: on a new loop the store builds a new client, and the old one
+    is closed on its loop as it shuts down. A client you pass is yours, on one loop.
+
     Raises:
         ValueError: an unsupported URL scheme, or a client that decodes responses.
     """
@@ -272,6 +282,8 @@ class RedisStore:
         # The deadline of every call on a single-server client we built (see _make_client
         # for why it is ours and not redis-py's socket_timeout); None: the client's own.
         self._timeout: float | None = None
+        self._url = url_or_client if isinstance(url_or_client, str) else None
+        self._command_timeout = command_timeout
         if isinstance(url_or_client, str):
             self.client: _Client = _make_client(url_or_client, command_timeout)
             self._owns_client = True
@@ -293,6 +305,12 @@ class RedisStore:
         # the first command waits for the map, under this lock, before any other runs.
         self._cold = isinstance(self.client, RedisCluster)
         self._warming = asyncio.Lock()
+        # The loop the client's connections belong to, and what closes them on it (see
+        # _enter); None until the store is first used.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tenure: LoopTenure | None = None
+        # Scripts are called by their sha through whichever client is current; the
+        # client they were registered with only lends them its encoder.
         register = self.client.register_script
         self._insert = register(_INSERT)
         self._replace = register(_REPLACE)
@@ -300,6 +318,24 @@ class RedisStore:
         self._release = register(_RELEASE)
         self._renew = register(_RENEW)
         self._prune = register(_PRUNE)
+
+    def _enter(self) -> None:
+        """Serve from the running loop, which is not the one the connections belong to.
+
+        Every entry point calls this when ``asyncio.get_running_loop()`` is not
+        ``self._loop``: the only cost of the check on the hot path. Our own client is
+        rebuilt for this loop (a passed client is the caller's to manage), with fresh
+        node clients and locks; the old ones are closed on their loop by its tenure.
+        """
+        if self._tenure is not None:
+            if self._url is not None:
+                self.client = _make_client(self._url, self._command_timeout)
+            self._node_clients = {}
+            self._refreshing, self._warming = asyncio.Lock(), asyncio.Lock()
+            self._cold = isinstance(self.client, RedisCluster)
+        own = self.client if self._owns_client else None
+        self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
+        self._loop = self._tenure.loop
 
     def _encoder(self) -> Any:
         if isinstance(self.client, RedisCluster):
@@ -320,6 +356,8 @@ class RedisStore:
                 self._cold = False
 
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         if self._cold:
             await self._warm()
         if self._wait:
@@ -432,6 +470,8 @@ class RedisStore:
     # Off the hot path: SCAN over every primary (admin tools and tests).
 
     async def get(self, key: str) -> Record | None:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         if self._cold:
             await self._warm()
         row = await _call(self.client.hmget(self._key(key), _FIELDS), self._timeout)
@@ -439,6 +479,8 @@ class RedisStore:
 
     async def _scan(self, match: str) -> AsyncIterator[bytes]:
         # On a cluster redis-py's scan_iter walks every primary.
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         if self._cold:
             await self._warm()
         names = aiter(self.client.scan_iter(match=match, count=_SCAN_COUNT))
@@ -464,6 +506,8 @@ class RedisStore:
 
     async def _fields(self, names: Sequence[bytes], *fields: str) -> list[list[Any]]:
         """HMGET ``fields`` of each key in one pipeline (per node, on a cluster)."""
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         pipe: Any = self.client.pipeline(transaction=False)
         for name in names:
             pipe.hmget(name, fields)
@@ -518,6 +562,8 @@ class RedisStore:
         ahead of the server's) considers expired before their TTL is up.
         """
         at, deleted = _us(now), 0
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         # Pipelined EVALSHA does not reload a missing script: load it first (every
         # primary, on a cluster).
         script = self._prune
@@ -536,11 +582,21 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
-        for node_client in self._node_clients.values():
-            await node_client.aclose(close_connection_pool=True)
-        self._node_clients.clear()
-        if self._owns_client:
-            await self.client.aclose()
+        tenure, self._tenure, self._loop = self._tenure, None, None
+        if tenure is None:  # never used: nothing is open, but close what was built
+            await _close_clients(self.client if self._owns_client else None, self._node_clients)
+        elif tenure.loop is asyncio.get_running_loop():
+            await tenure.end()
+        # Else the connections are another loop's, closed as that loop shuts down.
+
+
+async def _close_clients(client: _Client | None, node_clients: dict[str, aioredis.Redis]) -> None:
+    """Close one loop's node clients and, if it is the store's own, its client."""
+    for node_client in node_clients.values():
+        await node_client.aclose(close_connection_pool=True)
+    node_clients.clear()
+    if client is not None:
+        await client.aclose()
 
 
 def _record(key: str, row: Sequence[Any]) -> Record:

@@ -11,11 +11,16 @@ statements on Postgres, and far more on SQLite (``bench/results/NOTES.md``).
 Everything off the hot path (``get``, ``find``, ``buckets``, ``prune``) runs through
 Core on an autocommit connection. Driver and pool errors become :class:`StoreError`
 (:mod:`.sqlerrors`).
+
+The pool and the hot path's connections belong to one event loop at a time: called
+from another, the store opens fresh ones there and closes the old ones on their own
+loop as it shuts down (:mod:`.loops`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -25,11 +30,14 @@ from typing import Any, Protocol
 from sqlalchemy import Executable, event, inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import Pool
 from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.util import greenlet_spawn
 
 from ..errors import SchemaMissing, StoreError
 from ..urls import async_url, redact
 from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
+from .loops import LoopTenure
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .postgres_batched import BatchingPostgresDriver
 from .schema import records
@@ -97,6 +105,11 @@ class SQLStore:
             (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
             ``None`` (the default) reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else
             off). Ignored on SQLite.
+
+    Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
+    are fine: on a new loop the store opens a new pool and hot-path connections, and
+    the old ones are closed on their loop as it shuts down. An engine you pass keeps
+    its one pool: across loops give it ``poolclass=NullPool``, or pass a URL.
     """
 
     def __init__(
@@ -126,23 +139,51 @@ class SQLStore:
         if batching is None:
             batching = os.environ.get("IDEMPOTENCY_PG_BATCHING", "") == "1"
         self.batching = batching and self.dialect == "postgresql"
-        self._driver: _Driver
-        if self.dialect != "postgresql":
-            self._driver = sqlite_driver(engine, timeout=command_timeout)
-        elif self.batching:
-            self._driver = BatchingPostgresDriver(
-                engine, limit=_hot_path_limit(engine), timeout=command_timeout
-            )
-        else:
-            self._driver = PostgresDriver(
-                engine, limit=_hot_path_limit(engine), timeout=command_timeout
-            )
+        self._command_timeout = command_timeout
+        self._driver = self._new_driver()
+        # The loop that the pool's and the driver's connections belong to, and what
+        # closes them on it (see _enter); None until the store is first used.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tenure: LoopTenure | None = None
         self._time: Callable[[datetime], Any] = (
             _aware if self.dialect == "postgresql" else _sqlite_aware
         )
         # Transactions' connections close even when their request is cancelled.
         self._closing: set[asyncio.Task[Any]] = set()
         self._prepared = False  # prepare() passed once: later calls cost nothing
+
+    def _new_driver(self) -> _Driver:
+        engine, timeout = self.engine, self._command_timeout
+        if self.dialect != "postgresql":
+            return sqlite_driver(engine, timeout=timeout)
+        limit = _hot_path_limit(engine)
+        if self.batching:
+            return BatchingPostgresDriver(engine, limit=limit, timeout=timeout)
+        return PostgresDriver(engine, limit=limit, timeout=timeout)
+
+    def _enter(self) -> None:
+        """Serve from the running loop, which is not the one the connections belong to.
+
+        Every entry point calls this when ``asyncio.get_running_loop()`` is not
+        ``self._loop``: the only cost of the check on the hot path. The connections
+        of the previous loop cannot be used (nor closed) from this one: the store
+        takes a new pool (its own engine) and a new hot-path driver, and leaves the
+        old ones to the previous loop's tenure, which closes them on that loop.
+        """
+        if self._tenure is not None:
+            if self._owns_engine:
+                # A new pool; the old one is not closed here (close=False) but by its tenure.
+                self.engine.sync_engine.dispose(close=False)
+            self._driver = self._new_driver()
+        close = functools.partial(self._close_loop, self._driver, self.engine.sync_engine.pool)
+        self._tenure = LoopTenure(close)
+        self._loop = self._tenure.loop
+
+    async def _close_loop(self, driver: _Driver, pool: Pool) -> None:
+        """Close a loop's driver and, on the store's own engine, its pool (on that loop)."""
+        await driver.close()
+        if self._owns_engine:
+            await greenlet_spawn(pool.dispose)
 
     async def create_all(self) -> None:
         """Create the table and index if missing (development and tests; migrate in production).
@@ -152,6 +193,8 @@ class SQLStore:
         passes and a later ``asgi-idempotency migrate`` continues from it. Safe to run
         from several processes at once (a lock on Postgres, ``BEGIN IMMEDIATE`` on SQLite).
         """
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         try:
             if self.dialect == "sqlite":
                 # pysqlite opens no transaction for DDL, and a deferred one would let two
@@ -187,6 +230,8 @@ class SQLStore:
         """
         if self._prepared:
             return
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         if self.dialect == "sqlite":
             await self.create_all()
             self._prepared = True
@@ -201,10 +246,16 @@ class SQLStore:
         if problem is not None:
             url = redact(self.engine.url.render_as_string(hide_password=False))
             real = " (with the real password for ***)" if "***" in url else ""
+            why = (
+                "On Postgres the schema is the operator's: the middleware checks it at "
+                "startup and creates nothing."
+            )
+            # The URL (host, port, user, database) is for the log; clients get the rest.
             raise SchemaMissing(
                 f"{problem} in {url}: run `asgi-idempotency migrate --database-url '{url}'`"
-                f"{real}. On Postgres the schema is the operator's: the middleware checks "
-                "it at startup and creates nothing."
+                f"{real}. {why}",
+                detail=f"{problem} in the idempotency store's database: run `asgi-idempotency "
+                f"migrate --database-url URL` on it (the server's log names it). {why}",
             )
         self._prepared = True
 
@@ -221,6 +272,8 @@ class SQLStore:
         }
 
     async def insert(self, new: NewClaim) -> Record | None:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         values = self._claim_values(new)
         values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
@@ -232,6 +285,8 @@ class SQLStore:
         raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         values = self._claim_values(new)
         values["where_key"] = expected.key
         values["old_token"] = expected.token
@@ -242,6 +297,8 @@ class SQLStore:
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
     ) -> bool:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         values = {
             "where_key": key,
             "where_token": token,
@@ -253,9 +310,13 @@ class SQLStore:
         return await self._driver.rowcount("complete", values) == 1
 
     async def release(self, key: str, token: str) -> bool:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         return await self._driver.rowcount("release", {"where_key": key, "where_token": token}) == 1
 
     async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         values = {"where_key": key, "where_token": token, "locked_until": self._time(locked_until)}
         return await self._driver.rowcount("renew", values) == 1
 
@@ -277,11 +338,15 @@ class SQLStore:
         """
         if self.transactions_unavailable is not None:
             raise ValueError(self.transactions_unavailable)
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         return open_transaction(self.engine, self._closing)
 
     # Off the hot path: Core on an autocommit connection.
 
     async def _all(self, query: Executable) -> Sequence[Any]:
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         try:
             async with self._autocommit.connect() as conn:
                 return (await conn.execute(query)).all()
@@ -315,6 +380,8 @@ class SQLStore:
 
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
         stmt = prune_statement(now, batch_size, postgres=self.dialect == "postgresql")
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
         try:
             async with self._autocommit.connect() as conn:
                 result = await conn.execute(stmt)
@@ -323,11 +390,23 @@ class SQLStore:
             raise translate(exc) from exc
 
     async def close(self) -> None:
-        await self._driver.close()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        closing = [task for task in self._closing if task.get_loop() is loop]
+        if closing:
+            await asyncio.gather(*closing, return_exceptions=True)
+        tenure, self._tenure, self._loop = self._tenure, None, None
+        if tenure is not None and tenure.loop is not loop:
+            # The connections are another loop's, closed as that loop shuts down; a
+            # pool disposed from here would close them on the wrong loop.
+            if self._owns_engine:
+                self.engine.sync_engine.dispose(close=False)
+            return
+        if tenure is None:
+            await self._driver.close()
+        else:
+            await tenure.end()
         if self._owns_engine:
-            await self.engine.dispose()
+            await self.engine.dispose()  # and what was used beside the store (store.engine)
 
 
 # Serialises concurrent create_all calls on one Postgres database (a transaction-scoped lock).

@@ -2,7 +2,8 @@
 
 Every SQL path (the Postgres and SQLite hot paths, Core queries off the hot path,
 transactions) catches :data:`DRIVER_ERRORS` and raises :func:`translate` of it, so
-nothing above ``stores/`` sees a driver's exception type.
+nothing above ``stores/`` sees a driver's exception type. What is not a driver's
+(a ``TypeError``, say) is a bug of ours and stays a 500.
 """
 
 from __future__ import annotations
@@ -10,15 +11,23 @@ from __future__ import annotations
 import sqlite3
 
 import asyncpg
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import StoreError
 
 __all__ = ["DRIVER_ERRORS", "PG_BROKEN", "SQLITE_BROKEN", "breaks", "translate"]
 
+# SQLAlchemy's asyncpg adapter re-raises asyncpg's errors as DBAPI exceptions of its
+# own, which derive from Exception alone. Engine and Core wrap them in DBAPIError,
+# but the hot path's AsyncEngine.raw_connection() lets them through as they are: an
+# unknown role, an unknown database or a wrong password at connect.
+_ASYNCPG_ADAPTED: type[Exception] = AsyncAdapt_asyncpg_dbapi.Error
+
 # Everything the pool, the drivers and the network raise for a failed statement.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     SQLAlchemyError,
+    _ASYNCPG_ADAPTED,
     OSError,  # includes ConnectionError
     TimeoutError,  # asyncio.TimeoutError since 3.11: asyncpg's command_timeout
     asyncpg.PostgresError,
@@ -50,8 +59,19 @@ SQLITE_BROKEN: tuple[type[BaseException], ...] = (
 
 
 def translate(exc: BaseException) -> StoreError:
-    """The store error for a driver's exception (raise it ``from exc``)."""
-    return StoreError.wrap(exc)
+    """The store error for a driver's exception (raise it ``from exc``).
+
+    Its message is the driver's own exception, class and message (``"InvalidPasswordError:
+    password authentication failed for user ..."``), unwrapped from SQLAlchemy's
+    wrappers, whose text would add the statement and its parameters, and with any
+    credentials masked (:meth:`StoreError.wrap`).
+    """
+    driver = exc
+    if isinstance(driver, DBAPIError) and driver.orig is not None:
+        driver = driver.orig
+    if isinstance(driver, _ASYNCPG_ADAPTED) and driver.__cause__ is not None:
+        driver = driver.__cause__
+    return StoreError.wrap(driver)
 
 
 def breaks(exc: BaseException, broken: tuple[type[BaseException], ...]) -> bool:
