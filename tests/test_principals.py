@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -604,14 +605,22 @@ async def test_from_user_with_an_identity_function() -> None:
     assert effects.runs == ["alice"]
 
 
-async def test_anonymous_callers_share_keys_only_when_the_app_says_so() -> None:
+async def test_anonymous_callers_share_keys_only_when_the_app_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     effects = Effects()
+    ANONYMOUS.warned = False  # once per process: this test looks at the first time
+    caplog.set_level(logging.WARNING, logger="asgi_idempotency")
     async with served(gateway_app(effects, principal=ANONYMOUS)) as c:
         headers = {"Idempotency-Key": KEY, "X-User-Id": "1"}
         await c.post("/subscriptions", json=BODY, headers=headers)
         again = await c.post("/subscriptions", json=BODY, headers={**headers, "X-User-Id": "2"})
     assert again.headers["idempotent-replayed"] == "true"
     assert len(effects.runs) == 1
+    warned = [r for r in caplog.records if "anonymous_with_credentials" in r.getMessage()]
+    assert len(warned) == 1  # once, not per request
+    assert "x-user-id" in warned[0].getMessage()
+    assert "X-User-Id: 1" not in warned[0].getMessage()
 
 
 # --- Middleware order and nesting -----------------------------------------------------------

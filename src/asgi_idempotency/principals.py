@@ -29,6 +29,7 @@ at startup (see :mod:`.appcheck`) or answers 500 naming the helper that fits.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -76,11 +77,30 @@ _HELPERS = (
 
 
 class _Anonymous:
-    """Every request is the same caller: a public or single-caller service."""
+    """Every request is the same caller: a public or single-caller service.
 
-    __slots__ = ()
+    The first request that carries credentials is logged once (at WARNING): the app
+    may tell its callers apart after all, and then they would share stored answers.
+    """
+
+    __slots__ = ("warned",)
+
+    def __init__(self) -> None:
+        self.warned = False
 
     def __call__(self, scope: Scope) -> str:
+        if not self.warned:
+            for name, _ in scope["headers"]:
+                if name.lower() in CREDENTIAL_HEADERS:
+                    self.warned = True
+                    logging.getLogger("asgi_idempotency").warning(
+                        "idempotency.anonymous_with_credentials header=%s: principal=ANONYMOUS, "
+                        "but requests carry credentials; if they come from different callers, "
+                        "those callers share stored answers. Pass %s.",
+                        name.decode("latin-1").lower(), _HELPERS,
+                        extra={"event": "idempotency.anonymous_with_credentials"},
+                    )  # fmt: skip
+                    break
         return ""
 
     def __repr__(self) -> str:
