@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 
 import pytest
 from starlette.applications import Starlette
@@ -87,3 +88,43 @@ def test_access_control_headers_are_never_stored() -> None:
         ]
     )
     assert kept == ((b"content-type", b"application/json"),)
+
+
+async def test_a_replay_never_sends_a_coding_the_retry_did_not_accept() -> None:
+    payload = b'{"refund": "A-88214"}' * 50
+
+    @idempotent(required=True)
+    async def refund(request: Request) -> Response:
+        # An app that compresses by itself, for a client that accepted gzip.
+        return Response(
+            gzip.compress(payload),
+            status_code=201,
+            headers={"content-encoding": "gzip", "vary": "Accept-Encoding"},
+            media_type="application/json",
+        )
+
+    app = Starlette(
+        routes=[Route("/refunds", refund, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
+    )
+    async with served(app) as c:
+        first = await c.post(
+            "/refunds", headers={"Idempotency-Key": "k", "Accept-Encoding": "gzip"}
+        )
+        plain = await c.post(
+            "/refunds", headers={"Idempotency-Key": "k", "Accept-Encoding": "identity"}
+        )
+        refused = await c.post(
+            "/refunds", headers={"Idempotency-Key": "k", "Accept-Encoding": "gzip;q=0, br"}
+        )
+        again = await c.post(
+            "/refunds", headers={"Idempotency-Key": "k", "Accept-Encoding": "gzip, br"}
+        )
+    assert first.content == payload  # httpx decodes what it accepted
+    for answer in (plain, refused):
+        assert answer.headers["idempotent-replayed"] == "true"
+        assert "content-encoding" not in answer.headers
+        assert answer.content == payload
+        assert answer.headers["content-length"] == str(len(payload))
+    assert again.headers["content-encoding"] == "gzip"
+    assert again.content == payload

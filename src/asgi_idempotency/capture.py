@@ -5,9 +5,11 @@ it) is the :class:`~.responder.Responder`'s.
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from collections.abc import Iterable
 
-from .asgi import Send, send_response
+from .asgi import Headers, Send, send_response
 from .stores.base import StoredResponse
 
 __all__ = ["send_replay", "storable_headers"]
@@ -52,6 +54,49 @@ def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[byte
     return tuple(kept)
 
 
-async def send_replay(send: Send, response: StoredResponse) -> None:
-    """The stored response, byte for byte, marked ``Idempotent-Replayed: true``."""
-    await send_response(send, response.status, [*response.headers, _REPLAYED], response.body)
+async def send_replay(send: Send, response: StoredResponse, request_headers: Headers) -> None:
+    """The stored response, byte for byte, marked ``Idempotent-Replayed: true``.
+
+    One exception: a body the app compressed for the first request (``Content-Encoding``)
+    is decoded when this request did not accept that coding and it is one the standard
+    library reads (gzip, deflate); the app's own compression is not the retry's choice.
+    """
+    headers, body = response.headers, response.body
+    for name, value in headers:
+        if name.lower() == b"content-encoding":
+            coding = value.strip().lower()
+            if coding not in (b"", b"identity") and not _accepts(request_headers, coding):
+                decoded = _decode(coding, body)
+                if decoded is not None:
+                    body = decoded
+                    headers = tuple(h for h in headers if h[0].lower() != b"content-encoding")
+            break
+    await send_response(send, response.status, [*headers, _REPLAYED], body)
+
+
+def _accepts(headers: Headers, coding: bytes) -> bool:
+    """Whether ``Accept-Encoding`` admits ``coding`` (RFC 9110 §12.5.3; ``q=0`` refuses)."""
+    for name, value in headers:
+        if name.lower() != b"accept-encoding":
+            continue
+        for item in value.lower().split(b","):
+            token, _, params = item.strip().partition(b";")
+            if token.strip() in (coding, b"*") and params.replace(b" ", b"") not in (
+                b"q=0",
+                b"q=0.0",
+                b"q=0.00",
+                b"q=0.000",
+            ):
+                return True
+    return False
+
+
+def _decode(coding: bytes, body: bytes) -> bytes | None:
+    try:
+        if coding in (b"gzip", b"x-gzip"):
+            return gzip.decompress(body)
+        if coding == b"deflate":
+            return zlib.decompress(body)
+    except (OSError, EOFError, zlib.error):
+        return None  # not what it says it is: sent as stored
+    return None

@@ -489,7 +489,7 @@ class Responder:
                     outcome=Outcome.REPLAYED.value,
                 )  # fmt: skip
             observer.outcome(route, Outcome.REPLAYED)
-            await send_replay(self.send, record.response)
+            await send_replay(self.send, record.response, self.scope["headers"])
         elif claim.outcome is ClaimOutcome.MISMATCH:
             if logger.isEnabledFor(logging.INFO):
                 self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
