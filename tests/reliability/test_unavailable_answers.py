@@ -79,7 +79,7 @@ def _assert_unavailable(
         assert secret not in response.text, secret
     assert calls == []  # the handler did not run
     # The operator's side: the reason and the key's digest, never the password or raw key.
-    digest = scoped_key("", KEY)[:16]
+    digest = scoped_key("", KEY, "t")[:16]  # the client's host: records are scoped by it
     errors = [r.getMessage() for r in caplog.records if "idempotency.store_error" in r.getMessage()]
     assert any(reason in m and f"key_digest={digest}" in m for m in errors), errors
     assert PASSWORD not in caplog.text
