@@ -9,11 +9,9 @@ is :mod:`.lifecycle`; the store only does atomic primitives.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import inspect
-import math
-import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -26,9 +24,6 @@ from .errors import (
     MissingKey,
     PrincipalMisconfigured,
     PrincipalMissing,
-    SchemaMissing,
-    StoreError,
-    StoreUnavailable,
 )
 from .fingerprint import fingerprint_after, request_prefix
 from .keys import parse_key, scoped_key
@@ -37,9 +32,10 @@ from .observer import Observer
 from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
+from .readiness import Readiness
 from .request import guard_headers, host_name, read_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
-from .stores.base import PreparedStore, Store, TransactionalStore, utcnow
+from .stores.base import Store, TransactionalStore, utcnow
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -132,16 +128,7 @@ class IdempotencyMiddleware:
             observer=self._observer,
         )  # fmt: skip
         self.check_policies()
-        # PreparedStore.prepare (SQLite: create the table; Postgres: check the migration),
-        # run at lifespan startup, else on guarded requests until it has passed once.
-        # Once it has, the request path pays one attribute check.
-        self._prepare: Callable[[], Awaitable[None]] | None = (
-            store.prepare if isinstance(store, PreparedStore) else None
-        )
-        self._ready = self._prepare is None
-        self._missing: SchemaMissing | None = None  # the last check's answer, if it failed
-        self._checked_at = -math.inf  # monotonic time of the last failed check
-        self._checking: asyncio.Event | None = None  # set when the check in flight ends
+        self._readiness = Readiness(store, self._observer, retry_after)
         # The checks against the app (appcheck.py) and, for from_dependency, the claim
         # added to FastAPI routes: at lifespan startup, else before the first request.
         self._started = False
@@ -210,7 +197,8 @@ class IdempotencyMiddleware:
         request = await self._read(guard, scope, receive, send)
         if request is None:
             return
-        if not self._ready and not await self._ensure_ready(guard.route, send):
+        readiness = self._readiness
+        if not readiness.ready and not await readiness.ensure(guard.route, send):
             return
         await Responder(self._runtime, request, scope, receive, send).run()
 
@@ -275,47 +263,6 @@ class IdempotencyMiddleware:
         if policy is not None:
             return policy, True
         return (self._default_policy if method in self._methods else None), False
-
-    async def _ensure_ready(self, route: str, send: Send) -> bool:
-        """Prepare the store for an app served without lifespan; ``False`` once answered 503.
-
-        A failed check is repeated at most every ``retry_after`` seconds, so running
-        ``asgi-idempotency migrate`` heals a running app without a check per request.
-        A store that cannot be reached is left to the claim, which answers (or fails
-        open) as for any store error.
-        """
-        now = time.monotonic()
-        if self._checking is not None:
-            # One check at a time: a burst of first requests waits for it, rather than
-            # each taking a pooled connection for a check of its own.
-            await self._checking.wait()
-        elif now - self._checked_at >= self.retry_after:
-            self._checking = checking = asyncio.Event()
-            try:
-                await self._run_prepare()
-            except SchemaMissing as exc:
-                self._missing, self._checked_at = exc, now
-            except StoreError as exc:
-                self._missing, self._checked_at = None, now
-                self._observer.not_ready("request", exc, now=now, route=route)
-                return True
-            finally:
-                self._checking = None
-                checking.set()
-        missing = self._missing
-        if self._ready or missing is None:
-            return True
-        self._observer.not_ready("request", missing, now=now, route=route)
-        self._observer.outcome(route, Outcome.STORE_UNAVAILABLE)
-        # Always 503, fail_open or not: a missing schema is a deployment step left
-        # out, not an outage, and running unguarded would hide it.
-        await StoreUnavailable(missing.detail, retry_after=self.retry_after).send(send)
-        return False
-
-    async def _run_prepare(self) -> None:
-        assert self._prepare is not None
-        await self._prepare()
-        self._ready, self._missing = True, None
 
     def _decide(self, scope: Scope, resolved: ResolvedRoute | None, routed: bool) -> _Guard | None:
         """How a request to this route is guarded, or ``None`` to let it through.
@@ -443,62 +390,12 @@ class IdempotencyMiddleware:
                 return message
             return await receive()
 
+        prepared = functools.partial(self._readiness.lifespan, self.app)
         if self.prune_interval is None:
-            await self._prepared_lifespan(scope, replay, send)
+            await prepared(scope, replay, send)
             return
         from .retention import PruningMiddleware
 
         # The pruner wraps the check, so it starts only once the table is there.
-        pruning = PruningMiddleware(
-            self._prepared_lifespan, store=self.store, interval=self.prune_interval
-        )
+        pruning = PruningMiddleware(prepared, store=self.store, interval=self.prune_interval)
         await pruning(scope, replay, send)
-
-    async def _prepared_lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app's lifespan, with the store prepared once the app's own startup is done.
-
-        After the app's startup (which may be what creates the schema, in development),
-        ``prepare`` runs. A missing schema fails startup with the message that names
-        the fix: the app is shut down first, so its own clean-up runs, and the server
-        gets ``lifespan.startup.failed``. An unreachable store does not stop the app
-        (it answers 503 until the store is back); it is logged, and the check is
-        repeated on the first guarded requests.
-        """
-        if self._ready:
-            await self.app(scope, receive, send)
-            return
-        failure: str | None = None
-        reported = False
-
-        async def app_receive() -> Message:
-            if failure is not None:
-                return {"type": "lifespan.shutdown"}
-            return await receive()
-
-        async def app_send(message: Message) -> None:
-            nonlocal failure, reported
-            kind = message["type"]
-            if kind == "lifespan.startup.complete":
-                failure = await self._prepare_at_startup()
-                if failure is not None:
-                    return  # the app asks for its next message and is told to shut down
-            elif failure is not None and kind.startswith("lifespan.shutdown."):
-                reported = True
-                await send({"type": "lifespan.startup.failed", "message": failure})
-                return
-            await send(message)
-
-        await self.app(scope, app_receive, app_send)
-        if failure is not None and not reported:
-            await send({"type": "lifespan.startup.failed", "message": failure})
-
-    async def _prepare_at_startup(self) -> str | None:
-        """``None`` if the store is ready or unreachable (logged), else why startup fails."""
-        try:
-            await self._run_prepare()
-        except SchemaMissing as exc:
-            self._observer.not_ready("startup", exc, now=time.monotonic())
-            return exc.detail
-        except StoreError as exc:
-            self._observer.not_ready("startup", exc, now=time.monotonic())
-        return None
