@@ -9,12 +9,13 @@ is :mod:`.lifecycle`; the store only does atomic primitives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from .appcheck import StartupReport, inspect_app
 from .asgi import ASGIApp, Message, Receive, Scope, Send
@@ -33,7 +34,7 @@ from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
-from .request import guard_headers, host_name, read_body
+from .request import guard_headers, host_name, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import Store, TransactionalStore, utcnow
 
@@ -44,6 +45,7 @@ _MISSING_KEY_DETAIL = (
     "This endpoint requires an Idempotency-Key header; generate one key "
     "per logical operation and send the same key on every retry."
 )
+_UNLIMITED = 1 << 62  # report mode reads any body: the app, not the guard, decides its size
 _NO_CALLER_DETAIL = (
     "This endpoint keeps each Idempotency-Key per caller, and this request names no "
     "caller: authenticate and retry with the same key."
@@ -91,6 +93,10 @@ class IdempotencyMiddleware:
         prune_interval: when set, delete expired records every this many seconds
             in the background while the app's lifespan runs (default: off; prune
             from cron with ``asgi-idempotency prune`` instead).
+        mode: ``"report"`` puts every guarded route in report-only mode (see
+            :class:`Policy`'s ``mode``): records are kept as usual, but every request
+            runs and gets the app's own answer; what the guard would have answered
+            is counted and logged. Default ``"enforce"``.
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class IdempotencyMiddleware:
         clock: Callable[[], datetime] = utcnow,
         retry_after: float = 1.0,
         prune_interval: float | None = None,
+        mode: Literal["enforce", "report"] = "enforce",
     ) -> None:
         self.app = app
         self.store = store
@@ -121,6 +128,9 @@ class IdempotencyMiddleware:
         self.clock = clock
         self.retry_after = retry_after
         self.prune_interval = prune_interval
+        if mode not in ("enforce", "report"):
+            raise ValueError(f"mode must be 'enforce' or 'report', not {mode!r}")
+        self.mode = mode
         self._resolve = RouteResolver(self._decide)
         self._observer = Observer(metrics)
         self._runtime = Runtime(
@@ -277,6 +287,8 @@ class IdempotencyMiddleware:
         policy = self.guard_for(method, resolved, path)
         if policy is None:
             return None
+        if self.mode == "report" and policy.mode != "report":
+            policy = dataclasses.replace(policy, mode="report")  # once per path: cached
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
         return _Guard(policy, route, request_prefix(method, path), policy.header_names)
@@ -309,24 +321,31 @@ class IdempotencyMiddleware:
         except (PrincipalMissing, PrincipalMisconfigured) as exc:
             observe(route, Outcome.UNIDENTIFIED)
             self._observer.refused(route, exc)
-            await exc.send(send)
+            await self._answer(exc, guard, scope, receive, send)
             return None
         except MissingKey as exc:
             observe(route, Outcome.MISSING_KEY)
-            await exc.send(send)
+            await self._answer(exc, guard, scope, receive, send)
             return None
         except IdempotencyError as exc:
             observe(route, Outcome.INVALID_KEY)
-            await exc.send(send)
+            await self._answer(exc, guard, scope, receive, send)
             return None
+        report = policy.mode == "report"
+        limit = policy.max_body_bytes
         try:
-            body = await read_body(receive, policy.max_body_bytes, declared_length)
+            body = await read_body(receive, _UNLIMITED if report else limit, declared_length)
         except BodyTooLarge as exc:
             observe(route, Outcome.TOO_LARGE)
             await exc.send(send)
             return None
         if body is None:
             return None  # the client left while sending its body: nothing ran, nothing to answer
+        if report and len(body) > limit:
+            observe(route, Outcome.TOO_LARGE)
+            too_large = BodyTooLarge(f"The request body exceeds {limit} bytes for this endpoint.")
+            await self._answer(too_large, guard, scope, replay_body(body, receive), send)
+            return None
         names = guard.header_names
         chosen = (
             [(n.lower(), v) for n, v in scope["headers"] if n.lower() in names] if names else ()
@@ -345,6 +364,16 @@ class IdempotencyMiddleware:
         principal = str(principal)
         key = scoped_key(principal, client_key, where)
         return GuardedRequest(key, principal, request_hash, policy, route, body, client_key, where)
+
+    async def _answer(
+        self, exc: IdempotencyError, guard: _Guard, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Answer ``exc``; in report mode run the app instead and say what it would have been."""
+        if guard.policy.mode != "report":
+            await exc.send(send)
+            return
+        self._observer.report(guard.route, "", exc.status)
+        await self.app(scope, receive, send)
 
     def check_policies(self, app: Any = None) -> None:
         """Refuse transactional policies on a store that cannot honour them.

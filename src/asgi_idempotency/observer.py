@@ -63,6 +63,10 @@ class Observer:
             **fields,
         )
 
+    def report(self, route: str, key: str, status: int, **fields: Any) -> None:
+        """Report-only mode: the answer the guard would have given (``status``), at INFO."""
+        self.log(logging.INFO, "idempotency.report", route, key, would_answer=status, **fields)
+
     def refused(self, route: str, exc: BaseException) -> None:
         """A request the guard could not scope to a caller: a misconfiguration at ERROR
         (its detail names the fix), a request naming no caller at INFO."""

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from starlette.routing import Host, Match, Mount
 
@@ -108,6 +108,10 @@ class Policy:
             fingerprinted, for values a client stamps afresh on every attempt. A
             pointer that names nothing in a body is skipped. Other body types are
             not affected. Any iterable of strings; kept as a tuple.
+        mode: ``"enforce"`` (default) answers as the guard decides; ``"report"`` claims,
+            completes and records as usual but always runs the handler and returns
+            its own answer, counting and logging (``idempotency.report``) the answer
+            the guard would have given: for turning the guard on in a live service.
 
     Raises:
         TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);
@@ -125,6 +129,7 @@ class Policy:
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
     fingerprint_exclude: tuple[str, ...] = ()
+    mode: Literal["enforce", "report"] = "enforce"
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     _renew_every: float = field(init=False, repr=False, compare=False)
 
@@ -143,6 +148,8 @@ class Policy:
                 )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
+        if self.mode not in ("enforce", "report"):
+            raise ValueError(f"mode must be 'enforce' or 'report', not {self.mode!r}")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
         if isinstance(self.fingerprint_exclude, str):
             # A lone "/timestamp" would otherwise be read as the pointers "/", "t", ...
@@ -178,6 +185,7 @@ def idempotent(
     fingerprint_headers: Iterable[str] = (),
     transactional: bool = False,
     fingerprint_exclude: Iterable[str] = (),
+    mode: Literal["enforce", "report"] = "enforce",
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
@@ -195,6 +203,7 @@ def idempotent(
         fingerprint_headers=tuple(fingerprint_headers),
         transactional=transactional,
         fingerprint_exclude=tuple(fingerprint_exclude),
+        mode=mode,
     )
 
     def mark(func: F) -> F:

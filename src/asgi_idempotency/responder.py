@@ -277,6 +277,10 @@ class Responder:
             await self._unavailable(exc, "claim")
             return self.state is _State.UNGUARDED
         if not claim.owned:
+            if policy.mode == "report":
+                self._report_existing(claim)
+                self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                return True
             self.state = _State.ANSWERED
             await self._answer_existing(claim, now)
             return False
@@ -465,7 +469,7 @@ class Responder:
         unavailable = Outcome.STORE_UNAVAILABLE
         rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
         rt.observer.outcome(self.req.route, unavailable)
-        if rt.fail_open:
+        if rt.fail_open or self.req.policy.mode == "report":
             self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return
         self.state = _State.ANSWERED
@@ -474,6 +478,20 @@ class Responder:
             "retry with the same Idempotency-Key.",
             retry_after=rt.retry_after,
         ).send(self.send)
+
+    def _report_existing(self, claim: Claim) -> None:
+        """Report-only mode: count and log what :meth:`_answer_existing` would have sent."""
+        record = claim.record
+        if claim.outcome is ClaimOutcome.COMPLETED:
+            assert record is not None
+            assert record.response is not None
+            outcome, status = Outcome.REPLAYED, record.response.status
+        elif claim.outcome is ClaimOutcome.MISMATCH:
+            outcome, status = Outcome.MISMATCH, KeyMismatch.status
+        else:
+            outcome, status = Outcome.IN_PROGRESS, RequestInProgress.status
+        self.rt.observer.outcome(self.req.route, outcome)
+        self.rt.observer.report(self.req.route, self.req.key, status, outcome=outcome.value)
 
     async def _answer_existing(self, claim: Claim, now: datetime) -> None:
         record, route = claim.record, self.req.route
