@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import tracing
 from .metrics import InMemoryMetrics, MetricsSink, Outcome
 
 __all__ = ["Observer", "logger"]
@@ -38,6 +39,8 @@ class Observer:
         self.counts.observe(route, outcome)
         if self.sink is not None:
             self.sink.observe(route, outcome)
+        if tracing.ENABLED:
+            tracing.annotate(outcome=outcome.value, route=route)
 
     def log(self, level: int, event: str, route: str, key: str, **fields: Any) -> None:
         """Log ``event`` for a request on ``route`` whose scoped key is ``key``."""

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from starlette.exceptions import HTTPException
 
-from . import lifecycle
+from . import lifecycle, tracing
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .capture import send_replay, storable_headers
 from .errors import (
@@ -263,16 +263,19 @@ class Responder:
         policy = req.policy
         now = rt.clock()
         token = os.urandom(16).hex()  # the fencing token: 128 random bits
+        if tracing.ENABLED:
+            tracing.annotate(key_digest=req.key[:16], mode=policy.mode)
         try:
-            claim = await lifecycle.claim(
-                claimant,
-                req.key,
-                req.fingerprint,
-                token,
-                now=now,
-                locked_until=now + policy.lease,
-                expires_at=now + policy.ttl,
-            )
+            with tracing.store_span("claim"):
+                claim = await lifecycle.claim(
+                    claimant,
+                    req.key,
+                    req.fingerprint,
+                    token,
+                    now=now,
+                    locked_until=now + policy.lease,
+                    expires_at=now + policy.ttl,
+                )
         except StoreError as exc:
             await self._unavailable(exc, "claim")
             return self.state is _State.UNGUARDED
@@ -286,6 +289,7 @@ class Responder:
             return False
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
+            tracing.annotate(taken_over=True)
         self.token, self.state = token, _State.OWNED
         if self.tx is None:
             self.renewal = rt.renewals.start(
@@ -414,7 +418,8 @@ class Responder:
     async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            owned = await store.complete(key, token, stored, expires_at=expires_at)
+            with tracing.store_span("complete"):
+                owned = await store.complete(key, token, stored, expires_at=expires_at)
         except asyncio.CancelledError:
             # A partial, built only now: a lambda would give this function cells
             # that every request pays for.
@@ -456,7 +461,8 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            await store.release(key, token)
+            with tracing.store_span("release"):
+                await store.release(key, token)
         except asyncio.CancelledError:
             again = functools.partial(store.release, key, token)
             self.rt.rerun(again, self.req.route, key, "release")

@@ -1,0 +1,65 @@
+"""OpenTelemetry: the guard's decision on the request's server span, and a child span
+per store operation.
+
+Optional: the ``otel`` extra (``opentelemetry-api`` only; the app brings its SDK and
+its server instrumentation, as FastAPI services do). Without the API installed this
+module does nothing at all; with it installed but no SDK configured, the current span
+does not record and each hook costs one context lookup.
+
+Attributes (on the current span, the server span of a traced request):
+``idempotency.outcome`` (executed, replayed, in_progress, mismatch, ...; the values of
+:class:`~.metrics.Outcome`), ``idempotency.key_digest`` (the first 16 hex digits of
+the scoped key, as the logs print it; never the key), ``idempotency.taken_over``,
+``idempotency.mode``, and ``http.route`` (the route template). Store spans are named
+``idempotency <operation>`` (claim, complete, release) with ``db.operation.name``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+try:
+    from opentelemetry import trace
+except ImportError:  # the otel extra is optional
+    trace = None  # type: ignore[assignment]
+
+__all__ = ["ENABLED", "annotate", "store_span"]
+
+ENABLED = trace is not None
+_NOTHING: AbstractContextManager[Any] = nullcontext()
+_tracer: Any = None
+
+
+def _span() -> Any:
+    """The current span if it records, else ``None``."""
+    if trace is None:
+        return None
+    span = trace.get_current_span()
+    return span if span.is_recording() else None
+
+
+def annotate(**attributes: str | bool) -> None:
+    """Set ``idempotency.<name>`` attributes on the current span (``route`` as ``http.route``)."""
+    span = _span()
+    if span is None:
+        return
+    for name, value in attributes.items():
+        span.set_attribute("http.route" if name == "route" else f"idempotency.{name}", value)
+
+
+def store_span(operation: str) -> AbstractContextManager[Any]:
+    """A child span around one store operation, or a context that does nothing."""
+    global _tracer
+    if _span() is None:
+        return _NOTHING
+    assert trace is not None
+    if _tracer is None:
+        from importlib.metadata import version
+
+        _tracer = trace.get_tracer("asgi_idempotency", version("asgi-idempotency"))
+    return _tracer.start_as_current_span(  # type: ignore[no-any-return]
+        f"idempotency {operation}",
+        kind=trace.SpanKind.CLIENT,
+        attributes={"db.operation.name": operation},
+    )
