@@ -24,10 +24,12 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, insert
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import SQLStore
+from asgi_idempotency import SQLStore, StoredResponse
+from asgi_idempotency.demo import refunds
+from asgi_idempotency.errors import StoreError
 from tests.conftest import truncate
 from tests.test_transactional import client, refund_rows, tx_app
 
@@ -198,3 +200,34 @@ async def test_a_rival_take_over_committed_after_the_claims_snapshot_is_seen(
             answer = await _while_waited_on(rival, c.post("/refunds", json=BODY, headers=KEY))
     await _assert_not_run_again(pg_store, answer, first, status, calls)
     assert statements == ["WITH", "UPDATE", "WITH"]  # claim, failed swap, claim again
+
+
+@pytest.mark.parametrize("row", ["the rival's", "none"])
+async def test_commit_refuses_when_the_record_is_not_its_claim(
+    pg_store: SQLStore, rival: asyncpg.Connection, row: str
+) -> None:
+    """A transaction whose claim is not the row must not commit the handler's writes.
+
+    A claim that holds its row keeps it locked until it commits, so no other
+    connection can take it away; only a claim answered wrongly (the defect above)
+    reaches the commit without its row. That is what this stages: the rival's claim
+    committed first, or no row at all, and a commit in the name of a token that
+    never won it.
+    """
+    key = "k" * 64
+    now = datetime.now(UTC)
+    if row == "the rival's":
+        await rival.execute(
+            f"INSERT INTO idempotency_records ({COLUMNS}) VALUES ($1, 'h', 'in_progress', $2,"
+            " $3, $4, $5, NULL, NULL, NULL)",
+            key, RIVAL_TOKEN, now, now + timedelta(hours=1), now + timedelta(days=1),
+        )  # fmt: skip
+    async with pg_store.transaction() as tx:
+        await tx.state.session.execute(insert(refunds).values(id="second", order_id="1", amount=5))
+        with pytest.raises(StoreError):
+            await tx.commit(
+                key, "b" * 32, StoredResponse(201, (), b"{}"), expires_at=now + timedelta(days=1)
+            )
+    assert await refund_rows(pg_store) == 0
+    left = [tuple(r) for r in await rival.fetch("SELECT token, status FROM idempotency_records")]
+    assert left == ([(RIVAL_TOKEN, "in_progress")] if row == "the rival's" else [])

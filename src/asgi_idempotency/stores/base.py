@@ -214,7 +214,12 @@ class StoreTransaction(Protocol):
 
     async def commit(self, key: str, token: str, response: StoredResponse, *,
                      expires_at: datetime) -> None:  # fmt: skip
-        """Flush the handler's writes, complete the record, and commit, all or nothing."""
+        """Flush the handler's writes, complete the record, and commit, all or nothing.
+
+        Raises:
+            StoreError: the store failed, or the record is not this claim's (the
+                completion changed no row); nothing is committed.
+        """
         ...
 
 

@@ -280,7 +280,13 @@ class PostgresTransaction:
         }
         try:
             await self.state.session.flush()
-            await self._conn.execute(COMPLETE, values)
+            completed = (await self._conn.execute(COMPLETE, values)).rowcount
+            if completed != 1:
+                # The row is not this claim's (another token's, or gone): the claim was
+                # answered wrongly, and another run of the handler owns the key. Its
+                # writes must not land beside that run's; the retry replays its answer.
+                await self._conn.rollback()
+                raise StoreError("the record is not this transaction's claim; rolled back")
             await self._conn.commit()
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
