@@ -194,8 +194,10 @@ class StoreTransaction(Protocol):
     """One open transaction of a :class:`TransactionalStore`, under the key's lock.
 
     ``insert`` takes a non-blocking lock on the key first: :data:`BUSY` means
-    another transaction is deciding this key right now. Under the lock nothing else
-    can change the row, so ``replace`` needs no compare-and-swap.
+    another transaction is deciding this key right now. The lock does not make the
+    row read with it current (a rival may commit just before this transaction wins
+    it), so ``insert`` answers only from the row the insert met, and ``replace`` is
+    a compare-and-swap as everywhere.
     """
 
     @property
@@ -212,7 +214,12 @@ class StoreTransaction(Protocol):
 
     async def commit(self, key: str, token: str, response: StoredResponse, *,
                      expires_at: datetime) -> None:  # fmt: skip
-        """Flush the handler's writes, complete the record, and commit, all or nothing."""
+        """Flush the handler's writes, complete the record, and commit, all or nothing.
+
+        Raises:
+            StoreError: the store failed, or the record is not this claim's (the
+                completion changed no row); nothing is committed.
+        """
         ...
 
 

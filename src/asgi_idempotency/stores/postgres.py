@@ -34,7 +34,7 @@ from .statements import (
     CLAIM_LOCKED,
     COMPLETE,
     PG,
-    REPLACE_LOCKED,
+    REPLACE,
     encode_headers,
     to_record,
 )
@@ -42,6 +42,11 @@ from .statements import (
 __all__ = ["IdempotencyTransaction", "PostgresDriver", "PostgresTransaction", "open_transaction"]
 
 T = TypeVar("T")
+
+# A claim in a transaction asks again only when a rival committed inside its statement;
+# under the key's lock that settles at the second attempt unless writers that take no
+# lock (default-mode claims of the same scoped key) keep racing it.
+_INSERT_ATTEMPTS = 3
 
 
 class _NoConnection(Exception):
@@ -217,7 +222,8 @@ class PostgresTransaction:
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
     Round trips for a first request: BEGIN, claim (lock included), the handler's own
-    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK.
+    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK. A
+    claim whose statement met a rival's commit asks once more.
     """
 
     __slots__ = ("_conn", "state")
@@ -227,24 +233,36 @@ class PostgresTransaction:
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        try:
-            row = (await self._conn.execute(CLAIM_LOCKED, new._asdict())).one()
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
-        if not row[0]:
-            return BUSY
-        if row[1]:
-            return None
-        # Under the lock the row in the way is visible unless it was deleted since this
-        # statement's snapshot; then the retry's insert wins it.
-        return None if row[2] is None else to_record(new.key, tuple(row)[2:])
+        values = new._asdict()
+        for _ in range(_INSERT_ATTEMPTS):
+            try:
+                row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            except DRIVER_ERRORS as exc:
+                raise translate(exc) from exc
+            if not row[0]:
+                return BUSY
+            if row[1]:
+                return None
+            if row[2] is not None:
+                return to_record(new.key, tuple(row)[2:])
+            # Not inserted, yet no row read: a rival's claim committed after this
+            # statement's snapshot, before its insert met the key (the lock is taken
+            # after the snapshot too). Ask again: the next statement's snapshot follows
+            # that commit, and the lock now held keeps every transactional claimant out.
+        raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
-        # Under the key's lock nothing else decides it: no compare-and-swap needed.
+        # A compare-and-swap even under the key's lock: ``expected`` was read in the
+        # claim statement's snapshot, which may predate a rival's take-over that
+        # committed before this transaction won the lock. The swap then fails and the
+        # lifecycle claims again, in a snapshot that sees the rival's row.
         values = new._asdict()
         values["where_key"] = values.pop("key")
+        values["old_token"] = expected.token
+        values["old_status"] = expected.status.value
+        values["old_locked_until"] = expected.locked_until
         try:
-            result = await self._conn.execute(REPLACE_LOCKED, values)
+            result = await self._conn.execute(REPLACE, values)
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
         return bool(result.rowcount)
@@ -262,7 +280,13 @@ class PostgresTransaction:
         }
         try:
             await self.state.session.flush()
-            await self._conn.execute(COMPLETE, values)
+            completed = (await self._conn.execute(COMPLETE, values)).rowcount
+            if completed != 1:
+                # The row is not this claim's (another token's, or gone): the claim was
+                # answered wrongly, and another run of the handler owns the key. Its
+                # writes must not land beside that run's; the retry replays its answer.
+                await self._conn.rollback()
+                raise StoreError("the record is not this transaction's claim; rolled back")
             await self._conn.commit()
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc

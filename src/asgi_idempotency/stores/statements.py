@@ -49,7 +49,7 @@ __all__ = [
     "PG",
     "PG_BATCHED",
     "RECORD_COLUMNS",
-    "REPLACE_LOCKED",
+    "REPLACE",
     "SQLITE",
     "Compiled",
     "as_time",
@@ -104,7 +104,9 @@ def _pg_claim(lock: bool) -> Select[Any]:
     ``pg_try_advisory_xact_lock`` on the key, first).
 
     The outer SELECT sees the statement's snapshot, so a row committed by a racing
-    claim after it began reads as NULL; the caller then asks again.
+    claim after it began reads as NULL (the caller then asks again), and a row updated
+    since reads as it was: a take-over of that row must compare-and-swap. With
+    ``lock`` too, as the lock is taken after the snapshot.
     """
     rows = select(bindparam("key"), *_CLAIMED_ROW.values())
     got: Any = true()
@@ -167,8 +169,6 @@ _REPLACE = (
     )
     .values(**_CLAIMED_ROW, **_NO_RESPONSE)
 )
-# Under a transaction's advisory lock nothing else decides the key: replace in place.
-_REPLACE_LOCKED = update(_t).where(_WHERE_KEY).values(**_CLAIMED_ROW, **_NO_RESPONSE)
 
 
 class Compiled:
@@ -205,7 +205,7 @@ def _compile_all(dialect: Dialect) -> dict[str, Compiled]:
 
 # Transactional mode runs these through Core, on the request's own connection.
 CLAIM_LOCKED = _pg_claim(lock=True)
-REPLACE_LOCKED = _REPLACE_LOCKED
+REPLACE = _REPLACE  # a compare-and-swap even under the key's lock: postgres.py says why
 COMPLETE = _COMPLETE
 
 PG = _compile_all(_asyncpg_dialect())  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
