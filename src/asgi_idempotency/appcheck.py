@@ -193,8 +193,8 @@ def inspect_app(
         resolved = ResolvedRoute(op.template, op.endpoint)
         for method in sorted(op.methods):
             policy, explicit = policy_for(method, resolved)
-            if policy is None or not policy.enabled:
-                continue
+            if policy is None or not policy.enabled or policy.key_from is not None:
+                continue  # a webhook's caller is its sender, whatever the app's auth
             where = f"{method} {op.template}"
             if isinstance(principal, DependencyPrincipal):
                 assert claim is not None

@@ -5,6 +5,7 @@
     IdempotencyError            (abstract; carries status, type, title)
     ├── MissingKey              400  required key absent
     ├── InvalidKey              400  empty, too long, not printable ASCII, sent twice
+    ├── InvalidSignature        400  a webhook delivery its sender did not sign
     ├── BodyTooLarge            413  request body over the policy's limit
     ├── KeyMismatch             422  same key, different request
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After; no-store)
@@ -39,6 +40,7 @@ __all__ = [
     "BodyTooLarge",
     "IdempotencyError",
     "InvalidKey",
+    "InvalidSignature",
     "KeyMismatch",
     "MissingKey",
     "PrincipalMisconfigured",
@@ -105,6 +107,14 @@ class InvalidKey(IdempotencyError):
     status = 400
     slug = "invalid-key"
     title = "Invalid Idempotency-Key header"
+
+
+class InvalidSignature(IdempotencyError):
+    """A webhook delivery whose sender's signature is missing or wrong: never claimed."""
+
+    status = 400
+    slug = "invalid-signature"
+    title = "Invalid webhook signature"
 
 
 class BodyTooLarge(IdempotencyError):

@@ -22,6 +22,7 @@ from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
     BodyTooLarge,
     IdempotencyError,
+    InvalidSignature,
     MissingKey,
     PrincipalMisconfigured,
     PrincipalMissing,
@@ -261,7 +262,11 @@ class IdempotencyMiddleware:
         if policy is None or not policy.enabled:
             return None
         claims = self._claim_endpoints
-        if claims is not None and (resolved is None or id(resolved.endpoint) not in claims):
+        if (
+            claims is not None
+            and policy.key_from is None
+            and (resolved is None or id(resolved.endpoint) not in claims)
+        ):
             # from_dependency: a route that does not use the dependency cannot name its
             # caller (an explicit policy there was refused at startup).
             return None
@@ -305,19 +310,27 @@ class IdempotencyMiddleware:
             return None
         try:
             raw_key, content_type, declared_length, host = guard_headers(scope["headers"])
-            if raw_key is None:
+            if raw_key is None and policy.key_from is None:
                 if policy.required:
                     raise MissingKey(_MISSING_KEY_DETAIL)
                 observe(route, Outcome.UNGUARDED)
                 await self.app(scope, receive, send)
                 return None
-            client_key = parse_key(raw_key)
-            who = self.principal
-            principal = None if isinstance(who, DependencyPrincipal) else who(scope)
-            if type(principal) is not str and inspect.isawaitable(principal):
-                principal = await principal
-            if principal is None and self._claim_endpoints is None:
-                raise PrincipalMissing(_NO_CALLER_DETAIL)
+            delivery = policy.key_from
+            principal: Any
+            if delivery is not None:
+                # A webhook: the sender is the caller, its delivery id (read with the
+                # body, once the signature holds) the key.
+                client_key, principal = "", "webhook:" + delivery.sender
+            else:
+                assert raw_key is not None
+                client_key = parse_key(raw_key)
+                who = self.principal
+                principal = None if isinstance(who, DependencyPrincipal) else who(scope)
+                if type(principal) is not str and inspect.isawaitable(principal):
+                    principal = await principal
+                if principal is None and self._claim_endpoints is None:
+                    raise PrincipalMissing(_NO_CALLER_DETAIL)
         except (PrincipalMissing, PrincipalMisconfigured) as exc:
             observe(route, Outcome.UNIDENTIFIED)
             self._observer.refused(route, exc)
@@ -341,6 +354,14 @@ class IdempotencyMiddleware:
             return None
         if body is None:
             return None  # the client left while sending its body: nothing ran, nothing to answer
+        if delivery is not None:
+            try:
+                client_key = delivery(scope["headers"], body)
+            except IdempotencyError as exc:
+                unsigned = isinstance(exc, InvalidSignature)
+                observe(route, Outcome.INVALID_SIGNATURE if unsigned else Outcome.INVALID_KEY)
+                await self._answer(exc, guard, scope, replay_body(body, receive), send)
+                return None
         if report and len(body) > limit:
             observe(route, Outcome.TOO_LARGE)
             too_large = BodyTooLarge(f"The request body exceeds {limit} bytes for this endpoint.")

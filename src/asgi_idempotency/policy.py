@@ -12,6 +12,7 @@ from starlette.routing import Host, Match, Mount
 
 from .asgi import Scope
 from .fingerprint import json_pointer_tokens
+from .webhooks import DeliveryKey
 
 __all__ = [
     "Policy",
@@ -108,6 +109,11 @@ class Policy:
             fingerprinted, for values a client stamps afresh on every attempt. A
             pointer that names nothing in a body is skipped. Other body types are
             not affected. Any iterable of strings; kept as a tuple.
+        key_from: a webhook receiver's key source (:mod:`asgi_idempotency.webhooks`:
+            ``stripe(secret)``, ``github(secret)``, ``standard_webhooks(secret)``,
+            ``from_header(name, sender=...)``): the key is the sender's delivery id,
+            taken after its signature is checked, instead of ``Idempotency-Key``;
+            records are scoped by the sender. A delivery without an id is 400.
         mode: ``"enforce"`` (default) answers as the guard decides; ``"report"`` claims,
             completes and records as usual but always runs the handler and returns
             its own answer, counting and logging (``idempotency.report``) the answer
@@ -130,6 +136,7 @@ class Policy:
     transactional: bool = False
     fingerprint_exclude: tuple[str, ...] = ()
     mode: Literal["enforce", "report"] = "enforce"
+    key_from: DeliveryKey | None = None
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     _renew_every: float = field(init=False, repr=False, compare=False)
 
@@ -186,6 +193,7 @@ def idempotent(
     transactional: bool = False,
     fingerprint_exclude: Iterable[str] = (),
     mode: Literal["enforce", "report"] = "enforce",
+    key_from: DeliveryKey | None = None,
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
@@ -204,6 +212,7 @@ def idempotent(
         transactional=transactional,
         fingerprint_exclude=tuple(fingerprint_exclude),
         mode=mode,
+        key_from=key_from,
     )
 
     def mark(func: F) -> F:

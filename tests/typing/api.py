@@ -39,6 +39,7 @@ from asgi_idempotency import (
     IdempotencyMiddleware,
     InMemoryMetrics,
     InvalidKey,
+    InvalidSignature,
     KeyMismatch,
     MemoryStore,
     MetricsSnapshot,
@@ -292,6 +293,7 @@ def errors(exc: Exception) -> int | None:
         PrincipalMissing,
         PrincipalMisconfigured,
         ResponseNotKept,
+        InvalidSignature,
     ]
     missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
     unavailable: StoreUnavailable = StoreError.wrap(exc)
