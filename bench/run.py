@@ -127,7 +127,7 @@ async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]
     import httpx
 
     from bench import app as bench_app
-    from bench.pgwire import WireCounter
+    from tests.pgwire import WireCounter
 
     logging.getLogger("asgi_idempotency").setLevel(logging.CRITICAL)  # 409/422 are expected
 

@@ -160,7 +160,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis server for the run: ``IDEMPOTENCY_TEST_REDIS_URL``, else one of our own."""
-    from bench.redis_servers import NO_REDIS, start_server
+    from tests.redis_servers import NO_REDIS, start_server
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL")
     if env:
@@ -179,7 +179,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis Cluster: ``IDEMPOTENCY_TEST_REDIS_CLUSTER``, else 3 + 3 nodes of our own."""
-    from bench.redis_servers import NO_REDIS, start_cluster
+    from tests.redis_servers import NO_REDIS, start_cluster
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_CLUSTER")
     if env:

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from asgi_idempotency.stores.redis import RedisStore
-from bench.redis_servers import RedisCluster, RedisServer, redis_cli, start_cluster, start_server
 from tests.conftest import redis_store
+from tests.redis_servers import RedisCluster, RedisServer, redis_cli, start_cluster, start_server
 
 from ..serving import run_uvicorn
 from .apps import refund_app

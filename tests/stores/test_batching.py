@@ -29,7 +29,7 @@ from asgi_idempotency.lifecycle import Claim
 from asgi_idempotency.stores.batching import Batcher
 from asgi_idempotency.stores.postgres_batched import _FIELDS, BatchingPostgresDriver
 from asgi_idempotency.stores.statements import PG_BATCHED
-from bench import pgwire
+from tests import pgwire
 from tests.conftest import truncate
 from tests.stores.test_round_trips import _proxied
 

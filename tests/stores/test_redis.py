@@ -24,7 +24,7 @@ from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
 from asgi_idempotency.stores.redis import RedisStore
-from bench.redis_servers import RedisServer, redis_cli, start_server
+from tests.redis_servers import RedisServer, redis_cli, start_server
 from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
