@@ -406,5 +406,5 @@ def create() -> Starlette:
     if variant.startswith("peer_"):  # another library's guard (bench/peers.py)
         from bench import peers
 
-        return peers.create(variant, redis_url, lifespan)
+        return peers.create(variant, redis_url, lifespan, ROUTES, health)
     return Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan)

@@ -215,8 +215,8 @@ HTTP_WORKLOADS = ["fresh", "replay", "mix"]
 
 
 def http_level(pg_url: str, *, rounds: int, duration: int, connections: int) -> dict[str, Any]:
-    from bench.harness import prepare_postgres, run_wrk, start_server
-    from bench.run import ensure_wrk, settle_postgres, summarize
+    from bench.harness import ensure_wrk, prepare_postgres, run_wrk, start_server
+    from bench.run import settle_postgres, summarize
 
     wrk = ensure_wrk()
     asyncio.run(prepare_postgres(pg_url.rsplit("/", 1)[0] + "/postgres", pg_url))

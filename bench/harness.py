@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import subprocess
+import sys
 import urllib.request
 import uuid
 from pathlib import Path
@@ -100,3 +103,24 @@ def run_wrk(
     data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
     data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
     return data
+
+
+RESULTS = HERE / "results"
+
+
+def ensure_wrk() -> str:
+    found = shutil.which("wrk")
+    if found:
+        return found
+    log("wrk not found: installing it from Debian's packages (apt-get install -y wrk)")
+    apt = ["apt-get", "-y", "-q", "install", "wrk"]
+    if os.geteuid() != 0:
+        apt = ["sudo", *apt]
+    if subprocess.run(apt, check=False, capture_output=True).returncode != 0:
+        update = ["apt-get", "-q", "update"] if os.geteuid() == 0 else ["sudo", "apt-get", "update"]
+        subprocess.run(update, check=True, capture_output=True)
+        subprocess.run(apt, check=True, capture_output=True)
+    found = shutil.which("wrk")
+    if not found:
+        sys.exit("wrk could not be installed; install it (apt-get install wrk) and rerun")
+    return found

@@ -85,19 +85,19 @@ async def _refund_dict(order_id: str, payload: dict[str, Any]) -> dict[str, Any]
     return {"refund_id": str(uuid.uuid4()), "order_id": order_id, "amount": payload["amount"]}
 
 
-def create(variant: str, redis_url: str, lifespan: Any) -> Starlette:
-    """The refund app guarded by the peer ``variant``, on its own database of ``redis_url``."""
+def create(variant: str, redis_url: str, lifespan: Any, routes: Any, health: Any) -> Starlette:
+    """The refund app guarded by the peer ``variant``, on its own database of ``redis_url``;
+    ``routes`` and ``health`` are bench/app.py's, passed in so this module imports none of it.
+    """
     url = _db_url(redis_url, variant)
-    from bench import app as bench_app
-
     if variant == "peer_fastapi_idempotency_key":
-        return _fastapi_idempotency_key(url, bench_app.ROUTES, lifespan)
+        return _fastapi_idempotency_key(url, routes, lifespan)
     if variant == "peer_fastidempotent":
-        return _fastidempotent(url, bench_app.ROUTES, lifespan)
+        return _fastidempotent(url, routes, lifespan)
     if variant == "peer_mobius":
-        return _mobius(url, bench_app.health, lifespan)
+        return _mobius(url, health, lifespan)
     if variant == "peer_pyidempotent":
-        return _pyidempotent(url, bench_app.health, lifespan)
+        return _pyidempotent(url, health, lifespan)
     raise ValueError(f"unknown BENCH_VARIANT {variant!r}")
 
 

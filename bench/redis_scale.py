@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from asgi_idempotency._serve import uvicorn_process
-from bench.harness import ROOT, log, run_wrk
+from bench.harness import ROOT, ensure_wrk, log, run_wrk
 from bench.redis_server import redis_cluster, redis_server
-from bench.run import ensure_wrk, machine
+from bench.run import machine
 
 
 def main() -> None:

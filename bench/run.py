@@ -16,9 +16,7 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -28,9 +26,7 @@ from typing import Any
 
 from asgi_idempotency._serve import UvicornProcess
 from bench import peers
-from bench.harness import HERE, log, prepare_postgres, run_wrk, start_server
-
-RESULTS = HERE / "results"
+from bench.harness import RESULTS, ensure_wrk, log, prepare_postgres, run_wrk, start_server
 
 VARIANTS = [
     "none", "memory", "floor_memory", "pg", "pg_batched", "floor_pg", "sqlite", "floor_sqlite",
@@ -68,24 +64,6 @@ LABELS = {
 
 # ---------------------------------------------------------------------------------------
 # Setup: wrk, databases, servers.
-
-
-def ensure_wrk() -> str:
-    found = shutil.which("wrk")
-    if found:
-        return found
-    log("wrk not found: installing it from Debian's packages (apt-get install -y wrk)")
-    apt = ["apt-get", "-y", "-q", "install", "wrk"]
-    if os.geteuid() != 0:
-        apt = ["sudo", *apt]
-    if subprocess.run(apt, check=False, capture_output=True).returncode != 0:
-        update = ["apt-get", "-q", "update"] if os.geteuid() == 0 else ["sudo", "apt-get", "update"]
-        subprocess.run(update, check=True, capture_output=True)
-        subprocess.run(apt, check=True, capture_output=True)
-    found = shutil.which("wrk")
-    if not found:
-        sys.exit("wrk could not be installed; install it (apt-get install wrk) and rerun")
-    return found
 
 
 async def settle_postgres(url: str) -> None:

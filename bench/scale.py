@@ -145,7 +145,7 @@ def main() -> None:
     import json
     import os
 
-    from bench.run import RESULTS, ensure_wrk
+    from bench.harness import RESULTS, ensure_wrk
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
