@@ -15,7 +15,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 1     inspect: no record for that key (never ran, released, or pruned); demo:
       the guarded run did not make exactly one refund
 2     usage error: bad arguments, a key digest prefix that matches several
-      records, missing or malformed database URL, the demo extra not installed
+      records, missing or malformed database URL, the demo extra not installed;
+      migrate: the database is at a revision this version does not know
 3     database unreachable or failing (refused, timed out, bad credentials, no
       such database or SQLite file)
 4     the records table is missing: run `asgi-idempotency migrate`
@@ -68,7 +69,8 @@ EXIT_MEANINGS: dict[Exit, str] = {
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
-        "records, missing or malformed database URL, the demo extra not installed"
+        "records, missing or malformed database URL, the demo extra not installed; "
+        "migrate: the database is at a revision this version does not know"
     ),
     Exit.UNREACHABLE: (
         "database unreachable or failing (refused, timed out, bad credentials, "
@@ -192,7 +194,7 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     if is_redis(url):
         raise CLIError(Exit.USAGE, "a Redis store needs no migration: records need no schema")
     try:
-        from .migrations import SchemaConflict, upgrade
+        from .migrations import SchemaConflict, UnknownRevision, upgrade
     except ImportError as exc:
         raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
     from sqlalchemy.exc import SQLAlchemyError
@@ -201,6 +203,9 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
         upgrade(url)
     except SchemaConflict as exc:
         raise CLIError(Exit.UNREACHABLE, f"cannot migrate {redact(url)}: {exc}") from exc
+    except UnknownRevision as exc:
+        # Not a bug, and retrying will not help: the operator runs the wrong version.
+        raise CLIError(Exit.USAGE, f"cannot migrate {redact(url)}: {exc}") from None
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
     print(f"migrated {redact(url)} to the latest revision", file=out)

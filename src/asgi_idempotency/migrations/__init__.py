@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from pathlib import Path
 
 from alembic import command
@@ -24,6 +25,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -34,12 +36,15 @@ __all__ = [
     "TABLE",
     "VERSION_TABLE",
     "SchemaConflict",
+    "UnknownRevision",
     "alembic_config",
     "downgrade",
     "head",
     "include_object",
+    "known_revisions",
     "schema_problem",
     "stamp_head",
+    "unknown_revisions",
     "upgrade",
 ]
 
@@ -51,6 +56,15 @@ _OURS = frozenset((TABLE, VERSION_TABLE))
 
 class SchemaConflict(RuntimeError):
     """``upgrade`` found a records table it did not create and that differs from the head."""
+
+
+class UnknownRevision(ValueError):
+    """A revision this version does not carry: asked for, or recorded in the database.
+
+    A recorded one means a newer release migrated the database; alembic itself would
+    stop with "Can't locate revision" deep inside ``env.py``. The message names the
+    revision and the ones this version knows.
+    """
 
 
 def include_object(
@@ -104,6 +118,15 @@ def head() -> str:
     return revision
 
 
+def known_revisions() -> tuple[str, ...]:
+    """The revisions this package carries, oldest first."""
+    return tuple(reversed([script.revision for script in _scripts().walk_revisions()]))
+
+
+def _known() -> str:
+    return ", ".join(known_revisions())
+
+
 def _context(connection: Connection) -> MigrationContext:
     return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
 
@@ -112,9 +135,10 @@ def schema_problem(connection: Connection) -> str | None:
     """What is missing for the store to serve on this database, or ``None`` if nothing.
 
     Ready means the records table exists and the version table records this
-    package's head (or a revision this package does not know: a newer release
-    migrated the database, and revisions only ever add to the schema it needs).
-    A sentence without the fix, for the caller's message.
+    package's head. A revision this package does not know (a newer release migrated
+    the database) is a problem too: this version cannot tell what that schema needs
+    from it, so :func:`unknown_revisions` lets the caller say so. A sentence without
+    the fix, for the caller's message.
     """
     names = set(inspect(connection).get_table_names())
     if TABLE not in names:
@@ -126,12 +150,26 @@ def schema_problem(connection: Connection) -> str | None:
             f"(expected head {head()})"
         )
     ours = head()
-    known = {script.revision for script in _scripts().walk_revisions()}
-    if ours in current or any(revision not in known for revision in current):
+    newer = [revision for revision in current if revision not in known_revisions()]
+    if newer:
+        return (
+            f"{VERSION_TABLE} records revision {', '.join(newer)}, which this version of "
+            f"asgi-idempotency does not know (its head is {ours}): a newer version migrated "
+            "this database"
+        )
+    if ours in current:
         return None
     return (
         f"the {TABLE} table is at migration {', '.join(current)}, not at this version's head {ours}"
     )
+
+
+def unknown_revisions(connection: Connection) -> tuple[str, ...]:
+    """The revisions the database records that this package does not carry (a newer one's)."""
+    if VERSION_TABLE not in inspect(connection).get_table_names():
+        return ()
+    known = known_revisions()
+    return tuple(r for r in _context(connection).get_current_heads() if r not in known)
 
 
 def stamp_head(connection: Connection) -> None:
@@ -150,9 +188,29 @@ def upgrade(url: str, revision: str = "head") -> None:
     a revision is adopted first: if it matches the head's schema exactly, the head is
     recorded for it (alembic's ``stamp``); if it does not, :class:`SchemaConflict` says
     what differs rather than the migration failing on "table already exists".
+
+    Raises:
+        UnknownRevision: ``revision``, or the revision the database records, is not
+            one this version carries (the database was migrated by a newer version).
+        SchemaConflict: as above.
     """
+    _check_target(revision)
     asyncio.run(_adopt(url))
     command.upgrade(alembic_config(url), revision)
+
+
+def _check_target(revision: str) -> None:
+    # Alembic's relative steps ("+1", "0001+1") count from a revision; check that one.
+    anchor = re.sub(r"[+-]\d+$", "", revision)
+    if not anchor:
+        return
+    try:
+        _scripts().revision_map.get_revisions(anchor)
+    except RevisionError:
+        raise UnknownRevision(
+            f"unknown revision {revision!r}: this version of asgi-idempotency knows "
+            f"{_known()} (head {head()})"
+        ) from None
 
 
 async def _adopt(url: str) -> None:
@@ -162,6 +220,14 @@ async def _adopt(url: str) -> None:
     engine = create_async_engine(async_url(url), poolclass=NullPool)
 
     def adopt(connection: Connection) -> None:
+        newer = unknown_revisions(connection)
+        if newer:
+            raise UnknownRevision(
+                f"the database is at revision {', '.join(newer)}, which this version of "
+                f"asgi-idempotency does not know (it knows {_known()}): a newer version "
+                "migrated it: upgrade asgi-idempotency (to downgrade the database, use the "
+                "version that migrated it)"
+            )
         names = set(inspect(connection).get_table_names())
         context = _context(connection)
         if TABLE not in names or (VERSION_TABLE in names and context.get_current_heads()):
@@ -192,5 +258,10 @@ async def _adopt(url: str) -> None:
 
 
 def downgrade(url: str, revision: str = "base") -> None:
-    """Migrate the database at ``url`` down to ``revision``."""
+    """Migrate the database at ``url`` down to ``revision``.
+
+    Raises:
+        UnknownRevision: ``revision`` is not one this version carries.
+    """
+    _check_target(revision)
     command.downgrade(alembic_config(url), revision)
