@@ -5,8 +5,11 @@ Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The data
 the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
 ``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
 other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
-also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``: the ``redis``
-extra); ``prune`` on one explains that Redis expires records itself.
+also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
+``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
+expires records itself and ``migrate`` that Redis needs no schema, both exiting 0.
+Every URL hint (``--help`` and the errors) lists the one set of spellings,
+:data:`asgi_idempotency.urls.ACCEPTED`.
 
 Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists the same):
 
@@ -44,7 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from .urls import ENV_URL, is_redis, redact, sqlite_path
+from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
@@ -189,10 +192,19 @@ REDIS_PRUNE = (
 )
 
 
+#: What ``migrate`` says on Redis, where there is nothing for it to do.
+REDIS_MIGRATE = (
+    "nothing to migrate: Redis needs no schema (each record is one key, written as it is claimed)"
+)
+
+
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
     if is_redis(url):
-        raise CLIError(Exit.USAGE, "a Redis store needs no migration: records need no schema")
+        # Success, like prune on Redis: a deploy step that runs migrate on every
+        # deploy keeps working when the store moves to Redis.
+        print(REDIS_MIGRATE, file=out)
+        return Exit.OK
     try:
         from .migrations import SchemaConflict, UnknownRevision, upgrade
     except ImportError as exc:
@@ -520,10 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--database-url",
             default=default,
-            help=(
-                "postgresql://user@host/db, sqlite:///path.db, or (inspect, stats) "
-                f"redis://host:port/db or redis+cluster://host:port (default: ${ENV_URL})"
-            ),
+            # ACCEPTED: the same list every URL error shows, Redis schemes included.
+            help=f"{ACCEPTED} (default: ${ENV_URL})",
         )
         p.add_argument(
             "--timeout",

@@ -46,16 +46,22 @@ __all__ = [
 #: The environment variable the CLI and alembic's ``env.py`` read the database URL from.
 ENV_URL = "IDEMPOTENCY_DATABASE_URL"
 
-#: The spellings :func:`async_url` accepts, for messages.
-ACCEPTED = (
-    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
-    "sqlite:///path.db or sqlite+aiosqlite:///path.db"
-)
-
 #: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
 #: Redis Cluster (any one node as ``host:port``; the client discovers the rest).
 REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES)
+
+#: Every URL spelling the package takes, for every message and help text that shows
+#: one (SQLStore, RedisStore, the CLI, alembic's env.py): a user who got the scheme
+#: wrong sees the whole list in one place, whichever of them answered. Redis is listed
+#: from :data:`REDIS_SCHEMES` so that the list cannot miss a scheme ``is_redis`` takes.
+ACCEPTED = (
+    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
+    "sqlite:///path.db or sqlite+aiosqlite:///path.db (sqlite+aiosqlite:///./x.db for a "
+    "path relative to the working directory); for RedisStore "
+    + ", ".join(f"{scheme}://host:port" for scheme in REDIS_SCHEMES[:-1])
+    + f" or {REDIS_SCHEMES[-1]}://host:port (rediss: TLS; +cluster: any node of a Redis Cluster)"
+)
 
 
 def is_redis(url: str) -> bool:
