@@ -6,9 +6,11 @@ Synchronous, like ``test_cli``: the CLI runs its own event loop.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+import asgi_idempotency
 from asgi_idempotency.cli import Exit, main
 from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ACCEPTED, REDIS_SCHEMES, async_url
@@ -69,3 +71,52 @@ def test_every_url_hint_lists_the_same_schemes(capsys: pytest.CaptureFixture[str
     }
     for where, text in hints.items():
         assert _schemes(text) >= EVERY_SCHEME, (where, text)
+
+
+# --- SQLite URLs with two slashes ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "meant"),
+    [
+        ("sqlite://./x", "sqlite+aiosqlite:///./x"),
+        ("sqlite://x.db", "sqlite+aiosqlite:///x.db"),
+        ("sqlite+aiosqlite://./data/x.db", "sqlite+aiosqlite:///./data/x.db"),
+        ("sqlite://u:hunter2@localhost/x.db", "sqlite+aiosqlite:///localhost/x.db"),
+    ],
+)
+def test_a_sqlite_url_with_a_host_is_refused_with_the_right_form(
+    url: str, meant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="malformed SQLite URL") as caught:
+        SQLStore(url)
+    for command in (["stats"], ["migrate"], ["prune"]):
+        code, _, err = run(capsys, *command, "--database-url", url)
+        assert code == Exit.USAGE, err
+        assert meant in err
+        assert "sqlite+aiosqlite:///./x.db" in err
+        assert "hunter2" not in err
+    assert meant in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # nothing created under any name
+
+
+def test_the_documented_sqlite_spellings_still_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert async_url("sqlite:///x.db") == "sqlite+aiosqlite:///x.db"
+    assert async_url("sqlite://") == "sqlite+aiosqlite://"
+    assert run(capsys, "migrate", "--database-url", "sqlite+aiosqlite:///./x.db")[0] == Exit.OK
+    assert (tmp_path / "x.db").exists()
+
+
+# --- --version ------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--version")
+    assert (code, err) == (Exit.OK, "")
+    assert out.strip() == f"asgi-idempotency {asgi_idempotency.__version__}"
+    assert asgi_idempotency.__version__ != "0.0.0"  # the installed distribution's

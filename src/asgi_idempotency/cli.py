@@ -47,6 +47,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from . import __version__
 from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
@@ -526,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         # Keeps the epilog's one line per exit code; the description is one line anyway.
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     # Accepted before or after the command; the one after wins.
     common = argparse.ArgumentParser(add_help=False)
     for p, default in ((parser, None), (common, argparse.SUPPRESS)):
