@@ -5,13 +5,19 @@ Synchronous, like ``test_cli``: the CLI runs its own event loop.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 import asgi_idempotency
 from asgi_idempotency.cli import Exit, main
+from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ACCEPTED, REDIS_SCHEMES, async_url
 
@@ -69,8 +75,8 @@ def test_every_url_hint_lists_the_same_schemes(capsys: pytest.CaptureFixture[str
         "RedisStore": _hint_from_redis_store(),
         "malformed": _hint_from_async_url("not a url"),
     }
-    for where, text in hints.items():
-        assert _schemes(text) >= EVERY_SCHEME, (where, text)
+    for where, hint in hints.items():
+        assert _schemes(hint) >= EVERY_SCHEME, (where, hint)
 
 
 # --- SQLite URLs with two slashes ---------------------------------------------------
@@ -120,3 +126,49 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     assert (code, err) == (Exit.OK, "")
     assert out.strip() == f"asgi-idempotency {asgi_idempotency.__version__}"
     assert asgi_idempotency.__version__ != "0.0.0"  # the installed distribution's
+
+
+# --- prune --pause ----------------------------------------------------------------------
+
+
+async def _expired_rows(url: str, count: int) -> None:
+    store = SQLStore(url)
+    try:
+        async with store.engine.begin() as conn:
+            await conn.execute(text("DELETE FROM idempotency_records"))
+        then = datetime.now(UTC) - timedelta(days=2)
+        for _ in range(count):
+            digest, token = uuid.uuid4().hex * 2, uuid.uuid4().hex
+            claimed = await claim(
+                store, digest, "ab" * 32, token, now=then,
+                locked_until=then + timedelta(seconds=30), expires_at=then + timedelta(hours=1),
+            )  # fmt: skip
+            assert claimed.owned
+    finally:
+        await store.close()
+
+
+PAUSE = 1.0
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("rows", "argv", "pauses"),
+    [
+        (3, ["--batch-size", "2"], 1),  # 2 then 1: one pause between them
+        (4, ["--batch-size", "2", "--max-batches", "2"], 1),  # stops at the cap: no pause after
+        (1, ["--batch-size", "2"], 0),  # one short batch: nothing to pause between
+    ],
+)
+def test_prune_pauses_between_batches_never_after_the_last(
+    pg_url: str, rows: int, argv: list[str], pauses: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(_expired_rows(pg_url, rows))
+    code, out, _ = run(
+        capsys, "prune", "--json", "--pause", str(PAUSE), *argv, "--database-url", pg_url
+    )
+    assert code == Exit.OK
+    result = json.loads(out)
+    assert result["pruned"] == rows
+    # Each pause is a whole second; the statements take milliseconds (slack for a busy CI).
+    assert pauses * PAUSE <= result["elapsed_s"] < (pauses + 0.7) * PAUSE, result
