@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from alembic import command
@@ -181,8 +183,28 @@ def stamp_head(connection: Connection) -> None:
     _context(connection).stamp(_scripts(), "head")
 
 
+def _off_the_loop(run: Callable[[], None]) -> None:
+    """``run()`` here, or on a thread of its own when this thread runs an event loop.
+
+    The migrations drive their async engines with ``asyncio.run`` (here and in
+    ``env.py``), which refuses to start inside a running loop: called from an async
+    test or a FastAPI startup hook, ``upgrade`` would fail. On a worker thread there
+    is no running loop; the caller's loop waits meanwhile, as for any blocking call.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        run()
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="asgi-idempotency-migrate") as pool:
+        pool.submit(run).result()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    """Migrate the database at ``url`` up to ``revision``. Blocks; run it outside an event loop.
+    """Migrate the database at ``url`` up to ``revision``.
+
+    Blocks until done. Works inside a running event loop too (an async test, a
+    FastAPI startup hook): alembic then runs on a worker thread while the loop waits.
 
     A records table that some earlier release's ``create_all`` built without recording
     a revision is adopted first: if it matches the head's schema exactly, the head is
@@ -195,8 +217,12 @@ def upgrade(url: str, revision: str = "head") -> None:
         SchemaConflict: as above.
     """
     _check_target(revision)
-    asyncio.run(_adopt(url))
-    command.upgrade(alembic_config(url), revision)
+
+    def run() -> None:
+        asyncio.run(_adopt(url))
+        command.upgrade(alembic_config(url), revision)
+
+    _off_the_loop(run)
 
 
 def _check_target(revision: str) -> None:
@@ -258,10 +284,10 @@ async def _adopt(url: str) -> None:
 
 
 def downgrade(url: str, revision: str = "base") -> None:
-    """Migrate the database at ``url`` down to ``revision``.
+    """Migrate the database at ``url`` down to ``revision``; inside an event loop too.
 
     Raises:
         UnknownRevision: ``revision`` is not one this version carries.
     """
     _check_target(revision)
-    command.downgrade(alembic_config(url), revision)
+    _off_the_loop(lambda: command.downgrade(alembic_config(url), revision))
