@@ -17,22 +17,72 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
-from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.script.revision import RevisionError
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 from sqlalchemy.schema import SchemaItem
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+# Alembic logs at INFO as it works: one line per built-in plugin when first imported,
+# then "Context impl ...", "Will assume transactional DDL" and "Running upgrade ..."
+# for every context, which an app logging at INFO printed at each startup (nine lines
+# for one check) while alembic's own CLI prints none. Our runs raise the "alembic"
+# logger to WARNING, unless the application set a level on it itself (then it asked
+# for them), and put it back when the last concurrent run ends.
+_ALEMBIC_LOG = logging.getLogger("alembic")
+_quiet_lock = threading.Lock()
+_quiet_runs = 0
+_quiet_restore: int | None = None  # the level to put back; None: we changed nothing
+
+
+@contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    global _quiet_runs, _quiet_restore
+    with _quiet_lock:
+        if _quiet_runs == 0 and _ALEMBIC_LOG.level == logging.NOTSET:
+            _quiet_restore = _ALEMBIC_LOG.level
+            _ALEMBIC_LOG.setLevel(logging.WARNING)
+        _quiet_runs += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_runs -= 1
+            if _quiet_runs == 0 and _quiet_restore is not None:
+                _ALEMBIC_LOG.setLevel(_quiet_restore)
+                _quiet_restore = None
+
+
+def _quiet(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    @functools.wraps(fn)
+    def quietly(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with _quiet_alembic():
+            return fn(*args, **kwargs)
+
+    return quietly
+
+
+# Importing alembic sets up its plugins, logging each (see above). Imported here, not
+# at the top, so that the import is quiet too.
+with _quiet_alembic():
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import RevisionError
 
 __all__ = [
     "TABLE",
@@ -40,6 +90,7 @@ __all__ = [
     "SchemaConflict",
     "UnknownRevision",
     "alembic_config",
+    "describe_diff",
     "downgrade",
     "head",
     "include_object",
@@ -133,6 +184,7 @@ def _context(connection: Connection) -> MigrationContext:
     return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
 
 
+@_quiet
 def schema_problem(connection: Connection) -> str | None:
     """What is missing for the store to serve on this database, or ``None`` if nothing.
 
@@ -166,6 +218,7 @@ def schema_problem(connection: Connection) -> str | None:
     )
 
 
+@_quiet
 def unknown_revisions(connection: Connection) -> tuple[str, ...]:
     """The revisions the database records that this package does not carry (a newer one's)."""
     if VERSION_TABLE not in inspect(connection).get_table_names():
@@ -174,6 +227,43 @@ def unknown_revisions(connection: Connection) -> tuple[str, ...]:
     return tuple(r for r in _context(connection).get_current_heads() if r not in known)
 
 
+def describe_diff(diff: list[Any]) -> str:
+    """Alembic's autogenerate diff (turning the database into the head) in words.
+
+    ``compare_metadata`` returns tuples of SQLAlchemy objects whose repr is a wall of
+    ``Column(...)`` arguments; an operator needs which column or index differs, how.
+    """
+    return "; ".join(_describe(entry) for entry in diff)
+
+
+_NAMES = {"table": "table", "index": "index", "constraint": "constraint", "fk": "foreign key"}
+
+
+def _describe(entry: Any) -> str:
+    if isinstance(entry, list):  # one column's modify_* changes, grouped by alembic
+        return "; ".join(_describe(change) for change in entry)
+    op = entry[0]
+    verb, _, kind = op.partition("_")
+    if kind == "column":
+        _schema, table, column = entry[1:4]
+        where = f"column {table}.{column.name} ({column.type})"
+        return f"the table lacks {where}" if verb == "add" else f"the table has an extra {where}"
+    if kind in _NAMES:
+        obj = entry[1]
+        name = getattr(obj, "name", None) or "(unnamed)"
+        columns = ", ".join(c.name for c in getattr(obj, "columns", ()))
+        what = f"{_NAMES[kind]} {name}" + (f" on ({columns})" if columns else "")
+        return f"the table lacks {what}" if verb == "add" else f"the table has an extra {what}"
+    if verb == "modify":
+        _schema, table, column, _existing, in_db, in_head = entry[1:7]
+        if kind == "nullable":
+            in_db = "NULL" if in_db else "NOT NULL"
+            in_head = "NULL" if in_head else "NOT NULL"
+        return f"column {table}.{column} {kind} is {in_db}, the head has {in_head}"
+    return repr(entry)  # a kind alembic added later: still shown, if raw
+
+
+@_quiet
 def stamp_head(connection: Connection) -> None:
     """Record the head in the version table: the schema was just built from the ``Table``.
 
@@ -218,6 +308,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     """
     _check_target(revision)
 
+    @_quiet
     def run() -> None:
         asyncio.run(_adopt(url))
         command.upgrade(alembic_config(url), revision)
@@ -271,7 +362,7 @@ async def _adopt(url: str) -> None:
         if drift:
             raise SchemaConflict(
                 f"the {TABLE} table exists but was not created by these migrations and "
-                f"differs from their head {head()}: {drift}; "
+                f"differs from their head {head()}: {describe_diff(drift)}; "
                 "rename or drop it, then migrate again"
             )
         stamp_head(connection)
@@ -290,4 +381,4 @@ def downgrade(url: str, revision: str = "base") -> None:
         UnknownRevision: ``revision`` is not one this version carries.
     """
     _check_target(revision)
-    _off_the_loop(lambda: command.downgrade(alembic_config(url), revision))
+    _off_the_loop(_quiet(lambda: command.downgrade(alembic_config(url), revision)))
