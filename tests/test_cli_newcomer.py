@@ -17,9 +17,11 @@ from sqlalchemy import text
 
 import asgi_idempotency
 from asgi_idempotency.cli import Exit, main
+from asgi_idempotency.demo import SCRATCH_PREFIX
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ACCEPTED, REDIS_SCHEMES, async_url
+from tests.conftest import PgServer
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -172,3 +174,71 @@ def test_prune_pauses_between_batches_never_after_the_last(
     assert result["pruned"] == rows
     # Each pause is a whole second; the statements take milliseconds (slack for a busy CI).
     assert pauses * PAUSE <= result["elapsed_s"] < (pauses + 0.7) * PAUSE, result
+
+
+# --- demo: its database, its failures ------------------------------------------------
+
+UNREACHABLE = "postgresql://postgres@127.0.0.1:9/x"
+
+
+@pytest.mark.parametrize("argv", [["--kill-after-write"], []])
+def test_demo_on_an_unreachable_postgres_is_one_line_and_exit_3(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, "demo", *argv, "--database-url", UNREACHABLE)
+    assert code == Exit.UNREACHABLE, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [
+        "asgi-idempotency demo: cannot use the database at "
+        "postgresql+asyncpg://postgres@127.0.0.1:9/x: "
+        "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 9)"
+    ]
+
+
+async def _tables_and_scratch(url: str) -> tuple[list[str], list[str]]:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            tables = (
+                await conn.execute(
+                    text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                )
+            ).scalars()
+            scratch = (
+                await conn.execute(
+                    text("SELECT datname FROM pg_database WHERE datname LIKE :p"),
+                    {"p": SCRATCH_PREFIX + "%"},
+                )
+            ).scalars()
+            return list(tables), list(scratch)
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("argv", "summary"),
+    [
+        (["--kill-after-write"], "Default mode: 2 refunds"),
+        ([], "With asgi-idempotency: 1 refund. Without: 2 refunds."),
+    ],
+)
+def test_demo_runs_on_the_given_postgres_and_leaves_nothing_behind(
+    argv: list[str], summary: str, pg_server: PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pg_server.database("idem_demo") as url:
+        before = asyncio.run(_tables_and_scratch(url))
+        assert before[0] == []
+        code, out, err = run(capsys, "demo", *argv, "--database-url", url)
+        assert code == Exit.OK, out + err
+        assert summary in out
+        # It ran on the server it was given: on scratch databases there, named in the output.
+        host = url.split("@", 1)[1].rsplit("/", 1)[0]
+        used = re.findall(rf"scratch database \S+@{re.escape(host)}/({SCRATCH_PREFIX}\w+)", out)
+        assert used, out
+        tables, scratch = asyncio.run(_tables_and_scratch(url))
+        assert tables == []  # nothing written to the user's database
+        assert not set(used) & set(scratch)  # and the scratch ones dropped

@@ -42,16 +42,18 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from . import __version__
 from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
+
+_T = TypeVar("_T")
 
 
 class Exit(enum.IntEnum):
@@ -422,15 +424,43 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
     _require_demo_extra()
     if args.kill_after_write:
         return _kill_demo(_require_url(args, existing=False), out)
-    # The incident demo brings its own throwaway SQLite databases; it needs no URL.
+    # Without --database-url the incident demo brings its own throwaway SQLite files
+    # (the environment's URL is the operator's store, not asked for here); with a
+    # Postgres one it runs on scratch databases on that server, dropped afterwards.
     from .demo import run_demo
 
-    code = asyncio.run(run_demo())
+    url = None
+    if args.database_url:
+        url = _require_url(args, existing=False)
+        if is_redis(url):
+            raise CLIError(Exit.USAGE, "the demo runs on Postgres or SQLite, not Redis")
+    code = _demo_database(url, lambda: run_demo(url))
     return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
 
 
+def _demo_database(url: str | None, run: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """``asyncio.run(run())``, with the database's failures as exit 3 and one line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from .stores.base import StoreError
+
+    try:
+        return asyncio.run(run())
+    except (StoreError, SQLAlchemyError, OSError, TimeoutError) as exc:
+        if url is None:
+            raise
+        if "permission denied to create database" in str(exc):
+            raise CLIError(
+                Exit.UNREACHABLE,
+                f"cannot run the demo on {redact(url)}: it creates a scratch database "
+                "and drops it afterwards, and this user may not create databases "
+                "(grant CREATEDB, or use a user who may)",
+            ) from exc
+        raise _database_error(exc, url) from exc
+
+
 def _kill_demo(url: str, out: TextIO) -> Exit:
-    from .demo import kill_after_write
+    from .demo import kill_after_write, scratch_database
 
     if not url.startswith("postgresql"):
         raise CLIError(Exit.USAGE, "--kill-after-write needs a Postgres --database-url")
@@ -439,11 +469,13 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
         print(text, file=out, flush=True)
 
     async def both() -> tuple[tuple[int, int], tuple[int, int]]:
-        default = await kill_after_write(url, transactional=False, say=say)
-        say("")
-        return default, await kill_after_write(url, transactional=True, say=say)
+        # Its refunds and records go to a database of its own, not the user's.
+        async with scratch_database(url, say=say) as scratch:
+            default = await kill_after_write(scratch, transactional=False, say=say)
+            say("")
+            return default, await kill_after_write(scratch, transactional=True, say=say)
 
-    default, transactional = asyncio.run(both())
+    default, transactional = _demo_database(url, both)
     say(
         f"\nDefault mode: {default[1]} refunds (the crash left one, the retry made another). "
         f"Transactional mode: {transactional[1]} refund."
@@ -601,14 +633,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="replay the refund incident with and without the guard (throwaway SQLite files)",
+        help="replay the refund incident with and without the guard (throwaway databases)",
         description=(
             "Exit code 0 when the guarded run made 1 refund and the unguarded 2, else 1. "
             "With --kill-after-write (Postgres): a worker SIGKILLed after writing a refund, "
-            "in the default and the transactional mode; 0 when they end with 2 and 1 refunds."
+            "in the default and the transactional mode; 0 when they end with 2 and 1 refunds. "
+            "On Postgres both run on scratch databases created on the server the URL names "
+            "and dropped afterwards (the user needs CREATEDB); without a URL, or on SQLite, "
+            "on throwaway SQLite files."
         ),
     )
-    p.add_argument("--database-url", default=None, help="Postgres, for --kill-after-write")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="a Postgres server to run on (scratch databases; required for --kill-after-write)",
+    )
     p.add_argument(
         "--kill-after-write",
         action="store_true",
