@@ -447,7 +447,7 @@ def test_demo_returns_the_demos_code(
 
     for code in (0, 1):
 
-        async def fake(code: int = code) -> int:
+        async def fake(url: str | None = None, code: int = code) -> int:
             return code
 
         monkeypatch.setattr(demo, "run_demo", fake)

@@ -5,8 +5,11 @@ Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The data
 the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
 ``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
 other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
-also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``: the ``redis``
-extra); ``prune`` on one explains that Redis expires records itself.
+also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
+``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
+expires records itself and ``migrate`` that Redis needs no schema, both exiting 0.
+Every URL hint (``--help`` and the errors) lists the one set of spellings,
+:data:`asgi_idempotency.urls.ACCEPTED`.
 
 Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists the same):
 
@@ -15,7 +18,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 1     inspect: no record for that key (never ran, released, or pruned); demo:
       the guarded run did not make exactly one refund
 2     usage error: bad arguments, a key digest prefix that matches several
-      records, missing or malformed database URL, the demo extra not installed
+      records, missing or malformed database URL, the demo extra not installed;
+      migrate: the database is at a revision this version does not know
 3     database unreachable or failing (refused, timed out, bad credentials, no
       such database or SQLite file)
 4     the records table is missing: run `asgi-idempotency migrate`
@@ -38,15 +42,18 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
-from .urls import ENV_URL, is_redis, redact, sqlite_path
+from . import __version__
+from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
+
+_T = TypeVar("_T")
 
 
 class Exit(enum.IntEnum):
@@ -68,7 +75,8 @@ EXIT_MEANINGS: dict[Exit, str] = {
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
-        "records, missing or malformed database URL, the demo extra not installed"
+        "records, missing or malformed database URL, the demo extra not installed; "
+        "migrate: the database is at a revision this version does not know"
     ),
     Exit.UNREACHABLE: (
         "database unreachable or failing (refused, timed out, bad credentials, "
@@ -187,12 +195,21 @@ REDIS_PRUNE = (
 )
 
 
+#: What ``migrate`` says on Redis, where there is nothing for it to do.
+REDIS_MIGRATE = (
+    "nothing to migrate: Redis needs no schema (each record is one key, written as it is claimed)"
+)
+
+
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
     if is_redis(url):
-        raise CLIError(Exit.USAGE, "a Redis store needs no migration: records need no schema")
+        # Success, like prune on Redis: a deploy step that runs migrate on every
+        # deploy keeps working when the store moves to Redis.
+        print(REDIS_MIGRATE, file=out)
+        return Exit.OK
     try:
-        from .migrations import SchemaConflict, upgrade
+        from .migrations import SchemaConflict, UnknownRevision, upgrade
     except ImportError as exc:
         raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
     from sqlalchemy.exc import SQLAlchemyError
@@ -201,6 +218,9 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
         upgrade(url)
     except SchemaConflict as exc:
         raise CLIError(Exit.UNREACHABLE, f"cannot migrate {redact(url)}: {exc}") from exc
+    except UnknownRevision as exc:
+        # Not a bug, and retrying will not help: the operator runs the wrong version.
+        raise CLIError(Exit.USAGE, f"cannot migrate {redact(url)}: {exc}") from None
     except (SQLAlchemyError, OSError, TimeoutError) as exc:
         raise _database_error(exc, url) from exc
     print(f"migrated {redact(url)} to the latest revision", file=out)
@@ -404,15 +424,43 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
     _require_demo_extra()
     if args.kill_after_write:
         return _kill_demo(_require_url(args, existing=False), out)
-    # The incident demo brings its own throwaway SQLite databases; it needs no URL.
+    # Without --database-url the incident demo brings its own throwaway SQLite files
+    # (the environment's URL is the operator's store, not asked for here); with a
+    # Postgres one it runs on scratch databases on that server, dropped afterwards.
     from .demo import run_demo
 
-    code = asyncio.run(run_demo())
+    url = None
+    if args.database_url:
+        url = _require_url(args, existing=False)
+        if is_redis(url):
+            raise CLIError(Exit.USAGE, "the demo runs on Postgres or SQLite, not Redis")
+    code = _demo_database(url, lambda: run_demo(url))
     return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
 
 
+def _demo_database(url: str | None, run: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """``asyncio.run(run())``, with the database's failures as exit 3 and one line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from .stores.base import StoreError
+
+    try:
+        return asyncio.run(run())
+    except (StoreError, SQLAlchemyError, OSError, TimeoutError) as exc:
+        if url is None:
+            raise
+        if "permission denied to create database" in str(exc):
+            raise CLIError(
+                Exit.UNREACHABLE,
+                f"cannot run the demo on {redact(url)}: it creates a scratch database "
+                "and drops it afterwards, and this user may not create databases "
+                "(grant CREATEDB, or use a user who may)",
+            ) from exc
+        raise _database_error(exc, url) from exc
+
+
 def _kill_demo(url: str, out: TextIO) -> Exit:
-    from .demo import kill_after_write
+    from .demo import kill_after_write, scratch_database
 
     if not url.startswith("postgresql"):
         raise CLIError(Exit.USAGE, "--kill-after-write needs a Postgres --database-url")
@@ -421,11 +469,13 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
         print(text, file=out, flush=True)
 
     async def both() -> tuple[tuple[int, int], tuple[int, int]]:
-        default = await kill_after_write(url, transactional=False, say=say)
-        say("")
-        return default, await kill_after_write(url, transactional=True, say=say)
+        # Its refunds and records go to a database of its own, not the user's.
+        async with scratch_database(url, say=say) as scratch:
+            default = await kill_after_write(scratch, transactional=False, say=say)
+            say("")
+            return default, await kill_after_write(scratch, transactional=True, say=say)
 
-    default, transactional = asyncio.run(both())
+    default, transactional = _demo_database(url, both)
     say(
         f"\nDefault mode: {default[1]} refunds (the crash left one, the retry made another). "
         f"Transactional mode: {transactional[1]} refund."
@@ -509,16 +559,15 @@ def build_parser() -> argparse.ArgumentParser:
         # Keeps the epilog's one line per exit code; the description is one line anyway.
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     # Accepted before or after the command; the one after wins.
     common = argparse.ArgumentParser(add_help=False)
     for p, default in ((parser, None), (common, argparse.SUPPRESS)):
         p.add_argument(
             "--database-url",
             default=default,
-            help=(
-                "postgresql://user@host/db, sqlite:///path.db, or (inspect, stats) "
-                f"redis://host:port/db or redis+cluster://host:port (default: ${ENV_URL})"
-            ),
+            # ACCEPTED: the same list every URL error shows, Redis schemes included.
+            help=f"{ACCEPTED} (default: ${ENV_URL})",
         )
         p.add_argument(
             "--timeout",
@@ -584,14 +633,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="replay the refund incident with and without the guard (throwaway SQLite files)",
+        help="replay the refund incident with and without the guard (throwaway databases)",
         description=(
             "Exit code 0 when the guarded run made 1 refund and the unguarded 2, else 1. "
             "With --kill-after-write (Postgres): a worker SIGKILLed after writing a refund, "
-            "in the default and the transactional mode; 0 when they end with 2 and 1 refunds."
+            "in the default and the transactional mode; 0 when they end with 2 and 1 refunds. "
+            "On Postgres both run on scratch databases created on the server the URL names "
+            "and dropped afterwards (the user needs CREATEDB); without a URL, or on SQLite, "
+            "on throwaway SQLite files."
         ),
     )
-    p.add_argument("--database-url", default=None, help="Postgres, for --kill-after-write")
+    p.add_argument(
+        "--database-url",
+        default=None,
+        help="a Postgres server to run on (scratch databases; required for --kill-after-write)",
+    )
     p.add_argument(
         "--kill-after-write",
         action="store_true",

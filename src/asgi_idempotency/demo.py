@@ -16,11 +16,12 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select, text
+from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -32,7 +33,8 @@ from .policy import Policy
 from .stores.sql import SQLStore
 from .transactional import get_connection
 
-__all__ = ["count_refunds", "create_app", "refunds", "run_demo"]  # and `app`, built on access
+# and `app`, built on access
+__all__ = ["count_refunds", "create_app", "refunds", "run_demo", "scratch_database"]
 
 demo_metadata = MetaData()
 refunds = Table(
@@ -248,14 +250,23 @@ async def kill_after_write(
         await store.close()
 
 
-async def run_demo() -> int:
-    """The incident twice on the embedded SQLite default: guarded (1 refund), unguarded (2)."""
+async def run_demo(url: str | None = None) -> int:
+    """The incident twice: guarded (1 refund), unguarded (2).
+
+    On throwaway SQLite files, or with a Postgres ``url`` on two scratch databases
+    created on that server and dropped afterwards (:func:`scratch_database`).
+    """
     import tempfile
 
     print("A refund handler slower than its client's timeout, then a retry.\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        guarded_url = f"sqlite+aiosqlite:///{tmp}/guarded.db"
-        unguarded_url = f"sqlite+aiosqlite:///{tmp}/unguarded.db"
+    async with AsyncExitStack() as stack:
+        if url is not None and url.startswith("postgresql"):
+            guarded_url = await stack.enter_async_context(scratch_database(url))
+            unguarded_url = await stack.enter_async_context(scratch_database(url))
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            guarded_url = f"sqlite+aiosqlite:///{tmp}/guarded.db"
+            unguarded_url = f"sqlite+aiosqlite:///{tmp}/unguarded.db"
         await prepare(guarded_url)
         await prepare(unguarded_url)
         guarded = await play_incident(guarded_url, guarded=True)
@@ -263,6 +274,41 @@ async def run_demo() -> int:
         unguarded = await play_incident(unguarded_url, guarded=False)
     print(f"\nWith asgi-idempotency: {guarded} refund. Without: {unguarded} refunds.")
     return 0 if (guarded, unguarded) == (1, 2) else 1
+
+
+#: The name every scratch database starts with: a crashed demo's leftovers are easy to find.
+SCRATCH_PREFIX = "asgi_idempotency_demo_"
+
+
+@asynccontextmanager
+async def scratch_database(url: str, *, say: Any = print) -> AsyncIterator[str]:
+    """A new, empty Postgres database beside the one ``url`` names; yields its URL.
+
+    The demo writes a records table and a refunds table: in the user's own database
+    they would stay behind (and mix with a real store's records). A database of its
+    own is dropped whole afterwards, with any connection a killed worker left open.
+    Needs a user who may create databases (``CREATEDB``).
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from sqlalchemy.pool import NullPool
+
+    from .urls import redact
+
+    given = make_url(url)
+    name = f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:12]}"
+    admin = create_async_engine(given, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        async with admin.connect() as conn:
+            await conn.execute(text(f'CREATE DATABASE "{name}"'))
+        scratch = given.set(database=name).render_as_string(hide_password=False)
+        say(f"(scratch database {redact(scratch)}, dropped afterwards)")
+        try:
+            yield scratch
+        finally:
+            async with admin.connect() as conn:
+                await conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        await admin.dispose()
 
 
 def __getattr__(name: str) -> Any:

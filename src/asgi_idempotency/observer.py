@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from . import tracing
+from .errors import SchemaMissing
 from .metrics import InMemoryMetrics, MetricsSink, Outcome
 
 __all__ = ["Observer", "logger"]
@@ -23,6 +24,35 @@ __all__ = ["Observer", "logger"]
 _NOT_READY_EVERY = 60.0
 
 logger = logging.getLogger("asgi_idempotency")
+
+# What an operator does about a store that failed: the hint closing the message of
+# store_error, and of not_ready when the database did not answer (a missing schema's
+# detail names its own fix). The message is often all a reader sees ("%(message)s").
+_STORE_DOWN = (
+    "the idempotency store's database failed or did not answer: check that it is up "
+    "and reachable from this server (host, port, credentials)"
+)
+_NOT_READY_DOWN = (
+    "the startup check could not reach the idempotency store's database: check that it "
+    "is up and reachable from this server (host, port, credentials); guarded requests "
+    "get 503 until it answers"
+)
+
+
+def _line(event: str, fields: dict[str, Any], hint: str = "") -> str:
+    """``event key=value ... detail=...``, on one line, then `` -- hint``.
+
+    ``detail`` is free text (a driver's message, with spaces and maybe line breaks):
+    it goes last, so the fields after it cannot be read as part of it, and its line
+    breaks become spaces, so a handler printing one line per record shows all of it.
+    """
+    shown = [f"{name}={value}" for name, value in fields.items() if name != "detail"]
+    if "detail" in fields:
+        shown.append(f"detail={fields['detail']}")
+    text = " ".join([event, *shown])
+    if hint:
+        text = f"{text} -- {hint}"
+    return " ".join(text.split()) if "\n" in text or "\r" in text else text
 
 
 class Observer:
@@ -42,13 +72,14 @@ class Observer:
         if tracing.ENABLED:
             tracing.annotate(outcome=outcome.value, route=route)
 
-    def log(self, level: int, event: str, route: str, key: str, **fields: Any) -> None:
+    def log(
+        self, level: int, event: str, route: str, key: str, *, hint: str = "", **fields: Any
+    ) -> None:
         """Log ``event`` for a request on ``route`` whose scoped key is ``key``."""
         if not logger.isEnabledFor(level):
             return  # replays log at INFO: skip building the record when nobody listens
         fields = {"route": route, "key_digest": key[:16], **fields}
-        text = " ".join(f"{name}={value}" for name, value in fields.items())
-        logger.log(level, "%s %s", event, text, extra={"event": event, **fields})
+        logger.log(level, "%s", _line(event, fields, hint), extra={"event": event, **fields})
 
     def store_error(
         self, route: str, key: str, phase: str, exc: BaseException, **fields: Any
@@ -63,6 +94,7 @@ class Observer:
             phase=phase,
             error=type(exc).__name__,
             detail=str(exc),
+            hint=_STORE_DOWN,
             **fields,
         )
 
@@ -95,6 +127,6 @@ class Observer:
         fields: dict[str, Any] = {"phase": phase, "error": type(exc).__name__, "detail": detail}
         if route:
             fields = {"route": route, **fields}
-        text = " ".join(f"{name}={value}" for name, value in fields.items())
         event = "idempotency.not_ready"
-        logger.error("%s %s", event, text, extra={"event": event, **fields})
+        hint = "" if isinstance(exc, SchemaMissing) else _NOT_READY_DOWN
+        logger.error("%s", _line(event, fields, hint), extra={"event": event, **fields})

@@ -71,7 +71,9 @@ async def prune_all(
         dry_run: count what would go, delete nothing.
         progress: ``progress(done, batch)`` after each batch.
         pause: seconds to sleep between batches (default 0), to leave the database
-            and its replicas room under heavy load.
+            and its replicas room under heavy load; never after the last one. A full
+            batch may be followed by one more (after a pause) that finds nothing: only
+            a batch can tell that no expired rows are left.
         max_batches: a hard stop (default one million batches); what remains is
             pruned by the next run.
 
@@ -88,7 +90,11 @@ async def prune_all(
     if dry_run:
         return await count_expired(store, now=cutoff)
     done = 0
-    for _ in range(max_batches):
+    for batch in range(max_batches):
+        # The pause comes before a batch, not after one: the run that stops at
+        # max_batches (or a short batch) returns at once instead of sleeping for nothing.
+        if batch and pause > 0:
+            await asyncio.sleep(pause)
         deleted = await store.prune(now=cutoff, batch_size=batch_size)
         done += deleted
         if progress is not None:
@@ -97,8 +103,6 @@ async def prune_all(
         # is taking over right now, which will not be expired when it is done).
         if deleted < batch_size:
             break
-        if pause > 0:
-            await asyncio.sleep(pause)
     return done
 
 

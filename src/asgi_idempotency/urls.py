@@ -12,6 +12,8 @@ given                                   used
 ``postgres+asyncpg://…``                ``postgresql+asyncpg://…``
 ``sqlite:///path.db``, ``sqlite://``    ``sqlite+aiosqlite:///path.db`` (``sqlite://``: in memory)
 ``sqlite+aiosqlite:///path.db``         unchanged
+``sqlite://./x.db``, ``sqlite://h/x``   :class:`ValueError`: a host where the path belongs
+                                        (two slashes), showing ``sqlite+aiosqlite:///./x.db``
 ``postgresql+psycopg2://…`` and other   :class:`ValueError`, naming the accepted spellings
 drivers, other databases
 ======================================  ===========================================
@@ -46,16 +48,22 @@ __all__ = [
 #: The environment variable the CLI and alembic's ``env.py`` read the database URL from.
 ENV_URL = "IDEMPOTENCY_DATABASE_URL"
 
-#: The spellings :func:`async_url` accepts, for messages.
-ACCEPTED = (
-    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
-    "sqlite:///path.db or sqlite+aiosqlite:///path.db"
-)
-
 #: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
 #: Redis Cluster (any one node as ``host:port``; the client discovers the rest).
 REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES)
+
+#: Every URL spelling the package takes, for every message and help text that shows
+#: one (SQLStore, RedisStore, the CLI, alembic's env.py): a user who got the scheme
+#: wrong sees the whole list in one place, whichever of them answered. Redis is listed
+#: from :data:`REDIS_SCHEMES` so that the list cannot miss a scheme ``is_redis`` takes.
+ACCEPTED = (
+    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
+    "sqlite:///path.db or sqlite+aiosqlite:///path.db (sqlite+aiosqlite:///./x.db for a "
+    "path relative to the working directory); for RedisStore "
+    + ", ".join(f"{scheme}://host:port" for scheme in REDIS_SCHEMES[:-1])
+    + f" or {REDIS_SCHEMES[-1]}://host:port (rediss: TLS; +cluster: any node of a Redis Cluster)"
+)
 
 
 def is_redis(url: str) -> bool:
@@ -101,10 +109,24 @@ def async_url(url: str) -> str:
             f"unsupported database URL scheme {parsed.drivername!r}: the store needs the "
             f"async driver {async_driver}, not {driver}: use {ACCEPTED}"
         )
+    if canonical == "sqlite" and (parsed.host or parsed.port or parsed.username or parsed.password):
+        raise ValueError(_sqlite_form(parsed))
     parsed = parsed.set(drivername=f"{canonical}+{async_driver}")
     if canonical == "postgresql" and "sslmode" in parsed.query:
         parsed = _ssl_from_sslmode(parsed)
     return parsed.render_as_string(hide_password=False)
+
+
+def _sqlite_form(parsed: URL) -> str:
+    # "sqlite://./x" parses as host "." and database "x": SQLAlchemy refuses it only
+    # when the engine is made, and the CLI would look for the file "x". Say what the
+    # path was meant to be, in the form that works (never the password, if any).
+    meant = "/".join(part for part in (parsed.host, parsed.database) if part) or "x.db"
+    return (
+        f"malformed SQLite URL: a SQLite URL has no host, so the path follows three "
+        f"slashes (four for an absolute path): sqlite+aiosqlite:///{meant}, as in "
+        f"sqlite+aiosqlite:///./x.db; use {ACCEPTED}"
+    )
 
 
 _SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")

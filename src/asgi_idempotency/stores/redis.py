@@ -53,7 +53,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
-from ..urls import REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
+from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
 from .loops import LoopTenure
 from .statements import decode_headers, encode_headers
@@ -227,8 +227,7 @@ def _split_url(url: str) -> tuple[str, bool]:
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES:
         raise ValueError(
-            f"unsupported Redis URL scheme {parts.scheme!r}: use redis://host:port/db, "
-            "rediss://… (TLS), or redis+cluster://host:port (any node of a cluster)"
+            f"unsupported Redis URL scheme {parts.scheme!r}: use {ACCEPTED}"
         )
     cluster = scheme in REDIS_CLUSTER_SCHEMES
     return urlunsplit(parts._replace(scheme=scheme.partition("+")[0])), cluster

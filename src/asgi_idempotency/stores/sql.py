@@ -236,13 +236,25 @@ class SQLStore:
             await self.create_all()
             self._prepared = True
             return
-        from ..migrations import schema_problem
+        from ..migrations import schema_problem, unknown_revisions
 
         try:
             async with self._autocommit.connect() as conn:
                 problem = await conn.run_sync(schema_problem)
+                newer = await conn.run_sync(unknown_revisions) if problem else ()
         except DRIVER_ERRORS as exc:
             raise translate(exc) from exc
+        if newer:
+            # Migrating cannot fix this one: this version does not carry the revision.
+            url = redact(self.engine.url.render_as_string(hide_password=False))
+            fix = (
+                "deploy the asgi-idempotency version that migrated it (or downgrade the "
+                "database with that version)"
+            )
+            raise SchemaMissing(
+                f"{problem} ({url}): {fix}",
+                detail=f"{problem} (the idempotency store's database): {fix}",
+            )
         if problem is not None:
             url = redact(self.engine.url.render_as_string(hide_password=False))
             real = " (with the real password for ***)" if "***" in url else ""
