@@ -1,6 +1,7 @@
 """The one rule for database URLs, shared by :class:`SQLStore`, the CLI and alembic's ``env.py``.
 
-The store runs on two async drivers, asyncpg and aiosqlite. A URL that names the
+The store runs on three async drivers: asyncpg, aiosqlite and (the ``mysql`` extra)
+asyncmy for MariaDB and MySQL. A URL that names the
 database but no driver gets the async one; a URL that names any other driver is
 refused rather than half-used:
 
@@ -12,6 +13,8 @@ given                                   used
 ``postgres+asyncpg://…``                ``postgresql+asyncpg://…``
 ``sqlite:///path.db``, ``sqlite://``    ``sqlite+aiosqlite:///path.db`` (``sqlite://``: in memory)
 ``sqlite+aiosqlite:///path.db``         unchanged
+``mariadb://…``, ``mariadb+asyncmy://…``  ``mariadb+asyncmy://…``
+``mysql://…``, ``mysql+asyncmy://…``    ``mysql+asyncmy://…`` (MariaDB servers too)
 ``postgresql+psycopg2://…`` and other   :class:`ValueError`, naming the accepted spellings
 drivers, other databases
 ======================================  ===========================================
@@ -49,7 +52,8 @@ ENV_URL = "IDEMPOTENCY_DATABASE_URL"
 #: The spellings :func:`async_url` accepts, for messages.
 ACCEPTED = (
     "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
-    "sqlite:///path.db or sqlite+aiosqlite:///path.db"
+    "sqlite:///path.db or sqlite+aiosqlite:///path.db; "
+    "mariadb+asyncmy:// or mysql+asyncmy://user:password@host:port/db"
 )
 
 #: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
@@ -69,6 +73,10 @@ _ASYNC = {
     "postgresql": ("postgresql", "asyncpg"),
     "postgres": ("postgresql", "asyncpg"),
     "sqlite": ("sqlite", "aiosqlite"),
+    # SQLAlchemy names the dialect after the URL: mariadb:// is "mariadb" (MariaDB's
+    # SQL only), mysql:// is "mysql", which detects a MariaDB server when it connects.
+    "mariadb": ("mariadb", "asyncmy"),
+    "mysql": ("mysql", "asyncmy"),
 }
 
 
@@ -81,15 +89,16 @@ def _parse(url: str) -> URL:
 
 
 def async_url(url: str) -> str:
-    """``url`` with its async driver: asyncpg for PostgreSQL, aiosqlite for SQLite.
+    """``url`` with its async driver: asyncpg for PostgreSQL, aiosqlite for SQLite, asyncmy
+    for MariaDB and MySQL.
 
     The rest of the URL (credentials, host, database, query) is kept as given.
 
     Raises:
-        ValueError: ``url`` is malformed, names a database other than PostgreSQL or
-            SQLite, or names a driver other than asyncpg or aiosqlite (such as the
-            synchronous psycopg2). The message lists the accepted spellings and
-            never includes the password.
+        ValueError: ``url`` is malformed, names a database other than PostgreSQL,
+            SQLite, MariaDB or MySQL, or names another driver than asyncpg, aiosqlite
+            or asyncmy (such as the synchronous psycopg2). The message lists the
+            accepted spellings and never includes the password.
     """
     parsed = _parse(url)
     backend, _, driver = parsed.drivername.lower().partition("+")
