@@ -62,7 +62,7 @@ pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """With IDEMPOTENCY_REQUIRE_POSTGRES set (CI), a run without Postgres tests is an error."""
+    """With IDEMPOTENCY_REQUIRE_POSTGRES (or _MARIADB) set, a run without their tests fails."""
     required = os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES")
     if (
         required
@@ -71,6 +71,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     ):
         raise pytest.UsageError(
             "IDEMPOTENCY_REQUIRE_POSTGRES is set but no Postgres test was selected"
+        )
+    if (
+        os.environ.get("IDEMPOTENCY_REQUIRE_MARIADB")
+        and session.items
+        and not any(i.get_closest_marker("mariadb") for i in session.items)
+    ):
+        raise pytest.UsageError(
+            "IDEMPOTENCY_REQUIRE_MARIADB is set but no MariaDB test was selected"
         )
 
 
