@@ -258,3 +258,57 @@ async def test_hot_path_connections_never_go_back_to_the_pool_in_autocommit(
         assert left == 1
     finally:
         await engine.dispose()
+
+
+async def test_a_deadlock_is_a_store_error(mariadb_url: str, mstore: SQLStore) -> None:
+    """InnoDB's own example: two inserts wait on a third's uncommitted row, which rolls back.
+
+    Both then hold a shared lock on the key and want an exclusive one: InnoDB kills
+    one (1213). That claim is a StoreError (the client gets 503 and retries); the
+    other claims the key.
+    """
+    key = "d" * 64
+    stores = [SQLStore(mariadb_url) for _ in range(2)]
+    blocker = await mstore.engine.connect()
+    try:
+        await blocker.begin()
+        await blocker.execute(
+            text(
+                "INSERT INTO idempotency_records (`key`, request_hash, status, token, created_at,"
+                " locked_until, expires_at) VALUES (:k, 'h', 'in_progress', 't', :t, :t, :t)"
+            ),
+            {"k": key, "t": T0.replace(tzinfo=None)},
+        )
+
+        async def one(store: SQLStore) -> lifecycle.Claim:
+            return await lifecycle.claim(
+                store, key, "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
+            )
+
+        racers = [asyncio.create_task(one(s)) for s in stores]
+        async with mstore.engine.connect() as watcher:  # both wait on the blocker's row
+
+            async def waiting() -> int:
+                query = (
+                    "SELECT COUNT(*) FROM information_schema.innodb_trx"
+                    " WHERE trx_state = 'LOCK WAIT'"
+                )
+                return int((await watcher.execute(text(query))).scalar_one())
+
+            # InnoDB refreshes this table only when it was last read over 0.1 s ago.
+            for _ in range(40):
+                await asyncio.sleep(0.15)
+                if await waiting() == 2:
+                    break
+            assert await waiting() == 2
+        await blocker.rollback()
+        results = await asyncio.gather(*racers, return_exceptions=True)
+    finally:
+        await blocker.close()
+        await asyncio.gather(*(s.close() for s in stores))
+    errors = [r for r in results if isinstance(r, BaseException)]
+    claims = [r for r in results if isinstance(r, lifecycle.Claim)]
+    assert [c.outcome for c in claims] == [ClaimOutcome.CLAIMED], results
+    assert len(errors) == 1
+    assert isinstance(errors[0], StoreError)
+    assert "1213" in str(errors[0])
