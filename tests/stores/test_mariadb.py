@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
 from sqlalchemy import text
@@ -22,6 +23,7 @@ from asgi_idempotency import SQLStore, StoredResponse, cli, lifecycle
 from asgi_idempotency.errors import SchemaMissing, StoreError
 from asgi_idempotency.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import NewClaim
+from asgi_idempotency.stores.mysql import MySQLDriver
 from tests.conftest import MariaDBServer, TinyFactory, emptied
 from tests.reliability.support import TcpProxy
 from tests.stores.test_round_trips import _drive
@@ -312,3 +314,52 @@ async def test_a_deadlock_is_a_store_error(mariadb_url: str, mstore: SQLStore) -
     assert len(errors) == 1
     assert isinstance(errors[0], StoreError)
     assert "1213" in str(errors[0])
+
+
+# The hot path's connection keeping (PostgresDriver's) on asyncmy connections.
+
+
+async def _claim_new(store: SQLStore, key: str) -> ClaimOutcome:
+    claim = await lifecycle.claim(
+        store, key, "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
+    )
+    return claim.outcome
+
+
+@pytest.fixture
+async def small(mariadb_url: str) -> AsyncIterator[SQLStore]:
+    async with emptied(SQLStore(mariadb_url, pool_size=2, command_timeout=5)) as store:
+        yield store
+
+
+def _held(store: SQLStore) -> int:
+    return cast(MySQLDriver, store._driver)._held
+
+
+async def test_many_concurrent_statements_share_a_bounded_set(small: SQLStore) -> None:
+    outcomes = await asyncio.gather(*(_claim_new(small, f"{i:064d}") for i in range(60)))
+    assert outcomes == [ClaimOutcome.CLAIMED] * 60
+    assert _held(small) <= 2
+    assert small.engine.pool.checkedout() <= 2  # type: ignore[attr-defined]  # QueuePool's
+
+
+async def test_cancelled_statements_leak_no_connection(small: SQLStore) -> None:
+    tasks = [asyncio.ensure_future(_claim_new(small, f"c{i:063d}")) for i in range(30)]
+    await asyncio.sleep(0.005)
+    for task in tasks[::2]:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(0.1)  # cancelled connections are closed in tasks of their own
+    assert _held(small) <= 2
+    outcomes = await asyncio.gather(*(_claim_new(small, f"d{i:063d}") for i in range(30)))
+    assert outcomes == [ClaimOutcome.CLAIMED] * 30
+    # Nothing cancelled went back to SQLAlchemy's pool: the hot path holds what is out.
+    assert small.engine.pool.checkedout() == _held(small)  # type: ignore[attr-defined]
+
+
+async def test_the_rest_of_the_pool_stays_free_for_other_work(small: SQLStore) -> None:
+    storm = asyncio.gather(*(_claim_new(small, f"e{i:063d}") for i in range(40)))
+    async with small.engine.connect() as a, small.engine.connect() as b:
+        assert (await a.execute(text("SELECT 1"))).scalar_one() == 1
+        assert (await b.execute(text("SELECT 1"))).scalar_one() == 1
+    assert set(await storm) == {ClaimOutcome.CLAIMED}
