@@ -255,7 +255,8 @@ class schema_lock:  # used as a function: `async with schema_lock(conn, s):`
 
 
 def session_limits(dialect: Dialect, command_timeout: float) -> str:
-    """The ``SET SESSION`` that makes the server give up on a statement by itself.
+    """The ``SET SESSION`` that makes the server give up on a statement by itself (and
+    keeps notes out of the log).
 
     ``innodb_lock_wait_timeout`` (whole seconds, at least 1) bounds a wait for a row
     lock, such as a claim queued behind another's insert of the same key; MariaDB's
@@ -263,7 +264,12 @@ def session_limits(dialect: Dialect, command_timeout: float) -> str:
     SELECTs (in milliseconds). Either way the statement is rolled back and the client
     gets an error, not a commit after its 503.
     """
-    parts = [f"innodb_lock_wait_timeout = {max(1, math.ceil(command_timeout))}"]
+    parts = [
+        f"innodb_lock_wait_timeout = {max(1, math.ceil(command_timeout))}",
+        # asyncmy logs every note at WARNING: create_all's IF NOT EXISTS on a table
+        # that exists is not news.
+        "sql_notes = 0",
+    ]
     if getattr(dialect, "is_mariadb", False):
         parts.append(f"max_statement_time = {command_timeout:.6f}")
     else:
