@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from sqlalchemy import text
@@ -363,3 +363,41 @@ async def test_the_rest_of_the_pool_stays_free_for_other_work(small: SQLStore) -
         assert (await a.execute(text("SELECT 1"))).scalar_one() == 1
         assert (await b.execute(text("SELECT 1"))).scalar_one() == 1
     assert set(await storm) == {ClaimOutcome.CLAIMED}
+
+
+# When the server hangs or drops the connection: a 503, then recovery by itself.
+
+
+async def test_a_server_that_hangs_is_a_store_error_within_the_read_timeout(
+    mariadb_url: str, mstore: SQLStore
+) -> None:
+    proxy = TcpProxy("127.0.0.1", 3306)
+    store = SQLStore(proxy.url_for(mariadb_url), command_timeout=1, pool_size=1)
+    try:
+        assert await _claim_new(store, "w" * 64) is ClaimOutcome.CLAIMED  # connected
+        proxy.stall()
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="2013"):  # lost connection: read timeout
+            await _claim_new(store, "x" * 64)
+        assert time.monotonic() - started < 3  # command_timeout + asyncmy's 1 s margin
+        proxy.restore()
+        assert await _claim_new(store, "y" * 64) is ClaimOutcome.CLAIMED  # a new connection
+    finally:
+        proxy.restore()
+        await store.close()
+        proxy.close()
+
+
+async def test_a_killed_connection_fails_one_statement_then_the_store_reconnects(
+    mstore: SQLStore,
+) -> None:
+    assert await _claim_new(mstore, "a" * 64) is ClaimOutcome.CLAIMED
+    idle = cast(MySQLDriver, mstore._driver)._idle  # the hot path's kept connection
+    assert len(idle) == 1
+    thread_id = int(cast(Any, idle[0].driver_connection).thread_id())
+    async with mstore.engine.connect() as admin:
+        await admin.execute(text(f"KILL CONNECTION {thread_id}"))
+    with pytest.raises(StoreError):
+        await _claim_new(mstore, "b" * 64)
+    assert await _claim_new(mstore, "c" * 64) is ClaimOutcome.CLAIMED
+    assert await mstore.get("b" * 64) is None  # the failed claim wrote nothing
