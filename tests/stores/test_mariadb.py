@@ -401,3 +401,20 @@ async def test_a_killed_connection_fails_one_statement_then_the_store_reconnects
         await _claim_new(mstore, "b" * 64)
     assert await _claim_new(mstore, "c" * 64) is ClaimOutcome.CLAIMED
     assert await mstore.get("b" * 64) is None  # the failed claim wrote nothing
+
+
+def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
+    mariadb_url: str,
+) -> None:
+    from starlette.responses import Response
+    from starlette.types import Receive, Scope, Send
+
+    from asgi_idempotency import IdempotencyMiddleware, Policy
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await Response()(scope, receive, send)
+
+    store = SQLStore(mariadb_url)  # never used: nothing to close on a loop
+    with pytest.raises(ValueError, match="needs SQLStore on Postgres") as caught:
+        IdempotencyMiddleware(app, store=store, policies={"POST /x": Policy(transactional=True)})
+    assert "SQLStore on mariadb does not hold the claim" in str(caught.value)
