@@ -418,3 +418,20 @@ def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
     with pytest.raises(ValueError, match="needs SQLStore on Postgres") as caught:
         IdempotencyMiddleware(app, store=store, policies={"POST /x": Policy(transactional=True)})
     assert "SQLStore on mariadb does not hold the claim" in str(caught.value)
+
+
+async def test_create_all_from_many_processes_at_once_records_the_head_once(
+    mariadb_server: MariaDBServer, empty_db: str
+) -> None:
+    from asgi_idempotency.migrations import VERSION_TABLE, head
+
+    stores = [SQLStore(empty_db) for _ in range(6)]  # as six workers starting together
+    try:
+        await asyncio.gather(*(s.create_all() for s in stores))
+        await asyncio.gather(*(s.prepare() for s in stores))
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
+    name = empty_db.rsplit("/", 1)[1]
+    assert mariadb_server._run(f"SELECT version_num FROM {VERSION_TABLE}", database=name) == [
+        (head(),)
+    ]

@@ -232,7 +232,12 @@ class SQLStore:
                         raise
                     await conn.exec_driver_sql("COMMIT")
             elif self.dialect in MYSQL_DIALECTS:
-                async with self.engine.begin() as conn, schema_lock(conn, self._command_timeout):
+                # DDL commits by itself here: in autocommit the head is recorded before
+                # the lock is released, so the next process sees both or neither.
+                async with (
+                    self._autocommit.connect() as conn,
+                    schema_lock(conn, self._command_timeout),
+                ):
                     await conn.run_sync(_create_schema)
             else:
                 async with self.engine.begin() as conn:
