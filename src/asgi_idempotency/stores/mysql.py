@@ -131,11 +131,10 @@ class MySQLDriver(PostgresDriver):
     ) -> T:
         fairy = await self._checkout()
         driver = _driver(fairy)
-        cache: dict[str, _Prepared] | None = None
         held = fairy.info.get(_PREPARED)
         if held is not None and held[0] is driver:
-            cache = held[1]
-        else:
+            cache: dict[str, _Prepared] = held[1]
+        else:  # a connection new to the hot path (statement ids die with a connection)
             cache = {}
             fairy.info[_PREPARED] = (driver, cache)
 
