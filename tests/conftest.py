@@ -4,6 +4,7 @@ Postgres comes from ``IDEMPOTENCY_TEST_DATABASE_URL`` when set, else a server on
 127.0.0.1:5432 (user postgres), else a throwaway server started from local
 binaries by pytest-postgresql. Each run creates and drops a database of its own.
 If no Postgres can be had, Postgres tests fail (never skip) and say how to get one.
+MariaDB likewise: ``IDEMPOTENCY_TEST_MARIADB_URL``, else root on 127.0.0.1:3306.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ NO_POSTGRES = (
 )
 
 
+NO_MARIADB = (
+    "MariaDB is required for the tests marked mariadb and none could be reached. "
+    "Start the local server with `service mariadb start` (or `mysqld_safe &`), or "
+    "`docker compose up -d mariadb`, or set "
+    "IDEMPOTENCY_TEST_MARIADB_URL=mariadb+asyncmy://user:password@host:port; "
+    "deselect them with -m 'not mariadb'."
+)
+
+
 def _pg_ctl() -> str | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
     return found[-1] if found else None
@@ -52,7 +62,7 @@ pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """With IDEMPOTENCY_REQUIRE_POSTGRES set (CI), a run without Postgres tests is an error."""
+    """With IDEMPOTENCY_REQUIRE_POSTGRES (or _MARIADB) set, a run without their tests fails."""
     required = os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES")
     if (
         required
@@ -61,6 +71,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     ):
         raise pytest.UsageError(
             "IDEMPOTENCY_REQUIRE_POSTGRES is set but no Postgres test was selected"
+        )
+    if (
+        os.environ.get("IDEMPOTENCY_REQUIRE_MARIADB")
+        and session.items
+        and not any(i.get_closest_marker("mariadb") for i in session.items)
+    ):
+        raise pytest.UsageError(
+            "IDEMPOTENCY_REQUIRE_MARIADB is set but no MariaDB test was selected"
         )
 
 
@@ -204,6 +222,75 @@ async def redis_store(url: str) -> Store:
     return store
 
 
+@dataclass(frozen=True)
+class MariaDBServer:
+    """A MariaDB (or MySQL) server the tests may create databases on."""
+
+    host: str
+    port: int
+    user: str
+    password: str | None
+
+    def _run(self, sql: str, database: str | None = None) -> list[tuple[Any, ...]]:
+        """Run one statement with asyncmy, on a loop of its own (callers may run one)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import asyncmy  # the mysql extra, installed with dev
+
+        async def go() -> list[tuple[Any, ...]]:
+            conn = await asyncmy.connect(
+                host=self.host,
+                port=self.port,
+                user=self.user,
+                password=self.password or "",
+                database=database,
+                connect_timeout=3,
+            )
+            try:
+                async with conn.cursor() as cursor:
+                    await cursor.execute(sql)
+                    return list(await cursor.fetchall())
+            finally:
+                await conn.ensure_closed()
+
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, go()).result()
+
+    @contextmanager
+    def database(self, prefix: str) -> Iterator[str]:
+        """An empty database of its own on this server, dropped afterwards; yields its URL."""
+        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        self._run(f"CREATE DATABASE `{dbname}`")
+        try:
+            yield self.url(dbname)
+        finally:
+            self._run(f"DROP DATABASE IF EXISTS `{dbname}`")
+
+    def url(self, dbname: str, scheme: str = "mariadb+asyncmy") -> str:
+        auth = self.user if not self.password else f"{self.user}:{self.password}"
+        return f"{scheme}://{auth}@{self.host}:{self.port}/{dbname}"
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> MariaDBServer:
+    env = os.environ.get("IDEMPOTENCY_TEST_MARIADB_URL")
+    u = make_url(env or "mariadb+asyncmy://root@127.0.0.1:3306")
+    server = MariaDBServer(u.host or "127.0.0.1", u.port or 3306, u.username or "root", u.password)
+    try:
+        server._run("SELECT 1")
+    except Exception as exc:  # any failure to reach it ends in the same advice
+        pytest.fail(f"{NO_MARIADB} ({type(exc).__name__}: {exc})", pytrace=False)
+    return server
+
+
+@pytest.fixture(scope="session")
+def mariadb_url(mariadb_server: MariaDBServer) -> Iterator[str]:
+    """A ``mariadb+asyncmy`` URL of a database created for this test run, with the schema."""
+    with mariadb_server.database("idem_test") as url:
+        _prepare(url)
+        yield url
+
+
 STORE_KINDS = [
     "memory",
     "sqlite",
@@ -212,6 +299,7 @@ STORE_KINDS = [
     pytest.param("postgres_batched", marks=pytest.mark.postgres),
     pytest.param("redis", marks=pytest.mark.redis),
     pytest.param("redis_cluster", marks=pytest.mark.redis),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
 ]
 
 
@@ -230,7 +318,8 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
             await redis.close()
         return
     postgres = kind in ("postgres", "postgres_batched")
-    url = request.getfixturevalue("pg_url" if postgres else "sqlite_url")
+    fixture = "pg_url" if postgres else "mariadb_url" if kind == "mariadb" else "sqlite_url"
+    url = request.getfixturevalue(fixture)
     async with emptied(SQLStore(url, batching=kind == "postgres_batched")) as sql:
         yield sql
 

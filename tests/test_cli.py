@@ -303,7 +303,8 @@ def test_no_database_url_is_a_usage_error(
     ("url", "message"),
     [
         ("not a url", "malformed database URL"),
-        ("mysql+aiomysql://u@h/db", "unsupported database URL scheme 'mysql+aiomysql'"),
+        ("mysql+aiomysql://u@h/db", "needs the async driver asyncmy, not aiomysql"),
+        ("oracle://u@h/db", "unsupported database URL scheme 'oracle'"),
     ],
 )
 def test_bad_urls_are_usage_errors(

@@ -78,13 +78,20 @@ async def _http_storm(base_url: str, n: int, delay: float) -> list[httpx.Respons
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ],
+)
 async def test_storm_across_four_uvicorn_workers(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    url = request.getfixturevalue("pg_url" if kind == "postgres" else "sqlite_url")
+    url = request.getfixturevalue(f"{'pg' if kind == 'postgres' else kind}_url")
     store = SQLStore(url)
-    if kind == "postgres":
+    if kind != "sqlite":  # a database shared by the run: start from empty tables
         from tests.conftest import truncate
 
         await truncate(store)

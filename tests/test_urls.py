@@ -22,6 +22,10 @@ SPELLINGS = [
     ("postgres://u@h/db?ssl=require", "postgresql+asyncpg://u@h/db?ssl=require"),
     ("postgresql+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
     ("postgres+asyncpg://u@h/db", "postgresql+asyncpg://u@h/db"),
+    ("mariadb://u:pw@h:3306/db", "mariadb+asyncmy://u:pw@h:3306/db"),
+    ("mariadb+asyncmy://u@h/db", "mariadb+asyncmy://u@h/db"),
+    ("mysql://u@h/db?charset=utf8mb4", "mysql+asyncmy://u@h/db?charset=utf8mb4"),
+    ("mysql+asyncmy://u@h/db", "mysql+asyncmy://u@h/db"),
 ]
 
 
@@ -42,7 +46,9 @@ def test_passwords_survive_the_rule_with_their_escapes() -> None:
         ("postgresql+psycopg2://u:hunter2@h/db", "needs the async driver asyncpg, not psycopg2"),
         ("postgresql+psycopg://u:hunter2@h/db", "not psycopg"),
         ("sqlite+pysqlite:///x.db", "needs the async driver aiosqlite, not pysqlite"),
-        ("mysql+aiomysql://u:hunter2@h/db", "unsupported database URL scheme 'mysql+aiomysql'"),
+        ("mysql+aiomysql://u:hunter2@h/db", "needs the async driver asyncmy, not aiomysql"),
+        ("mariadb+mariadbconnector://u:hunter2@h/db", "not mariadbconnector"),
+        ("oracle://u:hunter2@h/db", "unsupported database URL scheme 'oracle'"),
         ("not a url", "malformed database URL"),
         ("postgresql://u:hunter2@h:port/db", "malformed database URL"),
     ],
@@ -53,6 +59,7 @@ def test_anything_else_is_refused_naming_the_accepted_spellings(url: str, messag
     text = str(caught.value)
     assert "postgresql+asyncpg://" in text
     assert "sqlite:///path.db" in text
+    assert "mariadb+asyncmy://" in text
     assert "hunter2" not in text
 
 

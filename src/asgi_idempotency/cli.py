@@ -3,7 +3,8 @@
 Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
 (all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
 the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
-``postgresql://`` and ``sqlite://`` URLs get their async driver (asyncpg, aiosqlite),
+``postgresql://``, ``sqlite://``, ``mariadb://`` and ``mysql://`` URLs get their async
+driver (asyncpg, aiosqlite, asyncmy),
 other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
 also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis

@@ -1,6 +1,7 @@
 """The one rule for database URLs, shared by :class:`SQLStore`, the CLI and alembic's ``env.py``.
 
-The store runs on two async drivers, asyncpg and aiosqlite. A URL that names the
+The store runs on three async drivers: asyncpg, aiosqlite and (the ``mysql`` extra)
+asyncmy for MariaDB and MySQL. A URL that names the
 database but no driver gets the async one; a URL that names any other driver is
 refused rather than half-used:
 
@@ -14,6 +15,8 @@ given                                   used
 ``sqlite+aiosqlite:///path.db``         unchanged
 ``sqlite://./x.db``, ``sqlite://h/x``   :class:`ValueError`: a host where the path belongs
                                         (two slashes), showing ``sqlite+aiosqlite:///./x.db``
+``mariadb://…``, ``mariadb+asyncmy://…``  ``mariadb+asyncmy://…``
+``mysql://…``, ``mysql+asyncmy://…``    ``mysql+asyncmy://…`` (MariaDB servers too)
 ``postgresql+psycopg2://…`` and other   :class:`ValueError`, naming the accepted spellings
 drivers, other databases
 ======================================  ===========================================
@@ -60,7 +63,8 @@ REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES)
 ACCEPTED = (
     "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db; "
     "sqlite:///path.db or sqlite+aiosqlite:///path.db (sqlite+aiosqlite:///./x.db for a "
-    "path relative to the working directory); for RedisStore "
+    "path relative to the working directory); "
+    "mariadb+asyncmy:// or mysql+asyncmy://user:password@host:port/db; for RedisStore "
     + ", ".join(f"{scheme}://host:port" for scheme in REDIS_SCHEMES[:-1])
     + f" or {REDIS_SCHEMES[-1]}://host:port (rediss: TLS; +cluster: any node of a Redis Cluster)"
 )
@@ -77,6 +81,10 @@ _ASYNC = {
     "postgresql": ("postgresql", "asyncpg"),
     "postgres": ("postgresql", "asyncpg"),
     "sqlite": ("sqlite", "aiosqlite"),
+    # SQLAlchemy names the dialect after the URL: mariadb:// is "mariadb" (MariaDB's
+    # SQL only), mysql:// is "mysql", which detects a MariaDB server when it connects.
+    "mariadb": ("mariadb", "asyncmy"),
+    "mysql": ("mysql", "asyncmy"),
 }
 
 
@@ -89,15 +97,16 @@ def _parse(url: str) -> URL:
 
 
 def async_url(url: str) -> str:
-    """``url`` with its async driver: asyncpg for PostgreSQL, aiosqlite for SQLite.
+    """``url`` with its async driver: asyncpg for PostgreSQL, aiosqlite for SQLite, asyncmy
+    for MariaDB and MySQL.
 
     The rest of the URL (credentials, host, database, query) is kept as given.
 
     Raises:
-        ValueError: ``url`` is malformed, names a database other than PostgreSQL or
-            SQLite, or names a driver other than asyncpg or aiosqlite (such as the
-            synchronous psycopg2). The message lists the accepted spellings and
-            never includes the password.
+        ValueError: ``url`` is malformed, names a database other than PostgreSQL,
+            SQLite, MariaDB or MySQL, or names another driver than asyncpg, aiosqlite
+            or asyncmy (such as the synchronous psycopg2). The message lists the
+            accepted spellings and never includes the password.
     """
     parsed = _parse(url)
     backend, _, driver = parsed.drivername.lower().partition("+")

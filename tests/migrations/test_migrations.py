@@ -19,15 +19,26 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from asgi_idempotency.migrations import VERSION_TABLE, alembic_config, downgrade, upgrade
 from asgi_idempotency.stores import schema
 from asgi_idempotency.stores.schema import metadata
-from tests.conftest import PgServer
+from tests.conftest import MariaDBServer, PgServer
 
 T = TypeVar("T")
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ]
+)
 def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'migrated.db'}"
+        return
+    if request.param == "mariadb":
+        mariadb: MariaDBServer = request.getfixturevalue("mariadb_server")
+        with mariadb.database("idem_mig") as url:
+            yield url
         return
     server: PgServer = request.getfixturevalue("pg_server")
     with server.database("idem_mig") as url:

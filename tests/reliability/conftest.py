@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -11,6 +11,7 @@ from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
 
+from ..conftest import emptied
 from ..serving import UvicornProcess, run_uvicorn
 from .support import DEMO, SHARED_LEASE, Probe, TcpProxy, demo_env
 
@@ -32,6 +33,13 @@ def probe(pg_store: SQLStore) -> Probe:
     return Probe(pg_store)
 
 
+@pytest.fixture
+async def mariadb_probe(mariadb_url: str) -> AsyncIterator[Probe]:
+    """Direct reads of the run's MariaDB database, its tables emptied first."""
+    async with emptied(SQLStore(mariadb_url)) as store:
+        yield Probe(store)
+
+
 @pytest.fixture(scope="session")
 def demo_pair(
     pg_url: str, tmp_path_factory: pytest.TempPathFactory
@@ -42,10 +50,23 @@ def demo_pair(
     their server share these; each test still starts from truncated tables (``probe``).
     Started side by side in threads; both are killed at the end of the run.
     """
+    yield from _demo_pair(pg_url, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def mariadb_demo_pair(
+    mariadb_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[UvicornProcess, UvicornProcess]]:
+    """``demo_pair`` on the run's MariaDB database."""
+    yield from _demo_pair(mariadb_url, tmp_path_factory)
+
+
+def _demo_pair(
+    url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[UvicornProcess, UvicornProcess]]:
     log_dir = tmp_path_factory.mktemp("demo")
     managers = [
-        run_uvicorn(DEMO, env=demo_env(pg_url, lease=SHARED_LEASE), log_dir=log_dir)
-        for _ in range(2)
+        run_uvicorn(DEMO, env=demo_env(url, lease=SHARED_LEASE), log_dir=log_dir) for _ in range(2)
     ]
     with ExitStack() as stack:
         with ThreadPoolExecutor(len(managers)) as pool:

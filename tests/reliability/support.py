@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
+from asgi_idempotency.stores.statements import as_time
 
 T = TypeVar("T")
 
@@ -160,7 +161,7 @@ class RecordRow:
 
 
 class Probe:
-    """Reads the database directly (its own engine), to check what the rows say."""
+    """Reads the database (Postgres or MariaDB) directly, to check what the rows say."""
 
     def __init__(self, store: SQLStore) -> None:
         self.store = store
@@ -170,7 +171,8 @@ class Probe:
             result = await conn.execute(
                 text("SELECT status, locked_until, response_status FROM idempotency_records")
             )
-            return [RecordRow(r.status, r.locked_until, r.response_status) for r in result]
+            # Aware whatever the database: MariaDB's DATETIME(6) reads back naive (UTC).
+            return [RecordRow(r.status, as_time(r.locked_until), r.response_status) for r in result]
 
     async def refunds(self) -> list[tuple[str, str, int]]:
         """(id, order_id, amount) of every refund the demo recorded."""

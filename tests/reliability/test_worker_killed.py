@@ -1,8 +1,9 @@
 """A uvicorn worker is SIGKILLed in the middle of a handler; its claim is abandoned.
 
-Before the lease runs out, retries (to another server process on the same Postgres)
+Before the lease runs out, retries (to another server process on the same database)
 get 409; a different body gets 422 and never takes the claim over; after the lease,
 two retries race from two processes and exactly one wins and runs the handler.
+On Postgres and on MariaDB.
 """
 
 from __future__ import annotations
@@ -19,20 +20,39 @@ import pytest
 from asgi_idempotency import SQLStore
 from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
 
+from ..conftest import emptied
 from ..serving import UvicornProcess, run_uvicorn
 from .support import DEMO, Probe, demo_env
 
-pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.slow
+@pytest.mark.postgres
 async def test_abandoned_claim_is_409_until_the_lease_ends_then_taken_over_once(
     pg_url: str, demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe, tmp_path: Path
+) -> None:
+    await _abandoned_claim(pg_url, demo_pair, probe, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.mariadb
+async def test_abandoned_claim_on_mariadb_is_409_until_the_lease_ends_then_taken_over_once(
+    mariadb_url: str,
+    mariadb_demo_pair: tuple[UvicornProcess, UvicornProcess],
+    mariadb_probe: Probe,
+    tmp_path: Path,
+) -> None:
+    await _abandoned_claim(mariadb_url, mariadb_demo_pair, mariadb_probe, tmp_path)
+
+
+async def _abandoned_claim(
+    url: str, demo_pair: tuple[UvicornProcess, UvicornProcess], probe: Probe, tmp_path: Path
 ) -> None:
     lease, delay = 2.0, 1.0  # the doomed server's lease; b and c run the shared one
     path, key = "/orders/o-9/refunds", {"Idempotency-Key": "refund-o-9"}
     body, other_body = {"amount": 900, "delay": delay}, {"amount": 901, "delay": delay}
-    env = demo_env(pg_url, lease=lease)
+    env = demo_env(url, lease=lease)
     b, c = demo_pair
     with run_uvicorn(DEMO, env=env, log_dir=tmp_path) as doomed:
         async with httpx.AsyncClient(timeout=10) as client:
@@ -81,9 +101,16 @@ async def test_abandoned_claim_is_409_until_the_lease_ends_then_taken_over_once(
     assert (done.status, done.response_status) == ("completed", 201)
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ],
+)
 @pytest.mark.parametrize("same_request", [True, False])
 async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
-    pg_url: str, probe: Probe, same_request: bool
+    backend: str, request: pytest.FixtureRequest, same_request: bool
 ) -> None:
     """The takeover race at the store, widened: 16 claims from 4 engines (as 4 processes).
 
@@ -91,7 +118,10 @@ async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
     is not fenced on the row's token and lease would let several win. A different
     request never takes an abandoned claim over, however many try.
     """
-    stores = [SQLStore(pg_url) for _ in range(4)]
+    url = request.getfixturevalue("pg_url" if backend == "postgres" else "mariadb_url")
+    async with emptied(SQLStore(url)):  # the run's database: start from empty tables
+        pass
+    stores = [SQLStore(url) for _ in range(4)]
     try:
         # Four connections per engine, opened before the race so that it is not a connect race.
         await asyncio.gather(*(s.get("warm") for s in stores for _ in range(4)))

@@ -16,22 +16,51 @@ from sqlalchemy import (
     String,
     Table,
 )
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
-__all__ = ["UTCDateTime", "metadata", "records"]
+__all__ = ["MYSQL_DIALECTS", "UTCDateTime", "metadata", "records"]
 
 metadata = MetaData()
 
+#: The dialect names of MariaDB and MySQL (``mariadb+asyncmy`` / ``mysql+asyncmy`` URLs).
+MYSQL_DIALECTS = ("mysql", "mariadb")
+
+
+def _ascii(length: int) -> TypeEngine[str]:
+    """``VARCHAR(length)``; on MariaDB/MySQL a fixed-width ASCII column compared byte-wise.
+
+    Keys, hashes and tokens are hex: one byte a character instead of utf8mb4's four in
+    the primary key, and a binary collation, so that two keys differing only in case
+    are never the same row.
+    """
+    fixed = mysql.CHAR(length, charset="ascii", collation="ascii_bin")
+    return String(length).with_variant(fixed, *MYSQL_DIALECTS)
+
+
+def _blob() -> TypeEngine[bytes]:
+    # MySQL's BLOB stops at 64 KiB; LargeBinary elsewhere has no such limit.
+    return LargeBinary().with_variant(mysql.LONGBLOB(), *MYSQL_DIALECTS)
+
 
 class UTCDateTime(TypeDecorator[datetime]):
-    """``timestamptz`` on Postgres; on SQLite a fixed-width naive-UTC string.
+    """``timestamptz`` on Postgres; on SQLite a fixed-width naive-UTC string; on
+    MariaDB/MySQL ``DATETIME(6)`` in UTC.
 
     SQLite has no time zone type: storing every value as naive UTC keeps the
     text comparisons in ``expires_at <= :now`` correct, and results come back aware.
+    MariaDB/MySQL's ``TIMESTAMP`` converts through the session's time zone and ends
+    in 2038, so naive UTC in a ``DATETIME`` with microseconds (a lease is compared to
+    the microsecond by the take-over's compare-and-swap).
     """
 
     impl = DateTime(timezone=True)
     cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in MYSQL_DIALECTS:
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(self.impl)
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -39,7 +68,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             raise ValueError("naive datetime: pass an aware UTC datetime")
         value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+        return value.replace(tzinfo=None) if dialect.name != "postgresql" else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
@@ -52,17 +81,17 @@ records = Table(
     "idempotency_records",
     metadata,
     # sha256 hex of (principal, client key): raw keys are never stored.
-    Column("key", String(64), primary_key=True),
-    Column("request_hash", String(64), nullable=False),
-    Column("status", String(16), nullable=False),
+    Column("key", _ascii(64), primary_key=True),
+    Column("request_hash", _ascii(64), nullable=False),
+    Column("status", _ascii(16), nullable=False),
     # Fences complete/release/renew to the claim that owns the row.
-    Column("token", String(32), nullable=False),
+    Column("token", _ascii(32), nullable=False),
     Column("created_at", UTCDateTime(), nullable=False),
     Column("locked_until", UTCDateTime(), nullable=False),
     Column("expires_at", UTCDateTime(), nullable=False),
     Column("response_status", Integer, nullable=True),
-    Column("response_headers", LargeBinary, nullable=True),
-    Column("response_body", LargeBinary, nullable=True),
+    Column("response_headers", _blob(), nullable=True),
+    Column("response_body", _blob(), nullable=True),
 )
 
 # Serves prune (expires_at <= now) without a sequential scan.

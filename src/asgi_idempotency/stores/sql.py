@@ -1,8 +1,10 @@
-"""SQL store: ``postgresql+asyncpg`` in production, ``sqlite+aiosqlite`` embedded.
+"""SQL store: ``postgresql+asyncpg`` or ``mariadb+asyncmy``/``mysql+asyncmy`` in production,
+``sqlite+aiosqlite`` embedded.
 
 SQLAlchemy owns the schema, the engine and its pool, dialect selection and
 migrations. The hot path (insert, replace, complete, release, renew) runs on the
-driver connection taken from that pool (:mod:`.postgres`, :mod:`.sqlite`): each
+driver connection taken from that pool (:mod:`.postgres`, :mod:`.sqlite`,
+:mod:`.mysql`): each
 statement is written once as Core (:mod:`.statements`), compiled per driver at
 import and executed as one prepared statement in autocommit, so one statement is
 one round trip. Core's execution layer costs about twice the driver for the same
@@ -24,7 +26,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sqlalchemy import Executable, event, inspect, text
@@ -38,9 +40,12 @@ from ..errors import SchemaMissing, StoreError
 from ..urls import async_url, redact
 from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
 from .loops import LoopTenure
+from .mysql import MySQLDriver, install_session_limits, schema_lock
+from .mysql import connect_args as mysql_connect_args
+from .mysql import prune as mysql_prune
 from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .postgres_batched import BatchingPostgresDriver
-from .schema import records
+from .schema import MYSQL_DIALECTS, records
 from .sqlerrors import DRIVER_ERRORS, translate
 from .sqlite import set_pragmas, sqlite_driver
 from .statements import (
@@ -82,29 +87,35 @@ def _sqlite_aware(value: datetime) -> str:
     return sqlite_time(_aware(value))
 
 
+def _mysql_aware(value: datetime) -> datetime:
+    # DATETIME(6) holds naive UTC (schema.UTCDateTime); asyncmy would drop any offset.
+    return _aware(value).astimezone(UTC).replace(tzinfo=None)
+
+
 class SQLStore:
     """Records in ``idempotency_records`` through SQLAlchemy's async engine.
 
     Args:
-        url_or_engine: a database URL (``postgresql+asyncpg://…`` or
-            ``sqlite+aiosqlite:///path.db``) or an ``AsyncEngine`` the caller owns
+        url_or_engine: a database URL (``postgresql+asyncpg://…``,
+            ``mariadb+asyncmy://…`` or ``mysql+asyncmy://…`` with the ``mysql`` extra,
+            or ``sqlite+aiosqlite:///path.db``) or an ``AsyncEngine`` the caller owns
             (and disposes: :meth:`close` leaves a passed engine open; on SQLite it
             closes the store's own hot-path connection and joins its thread).
         command_timeout: seconds any one statement may take before the store gives
             up and the request gets 503 (default 5). Set on the driver, so it costs
             no statement of its own. Applies when the store builds the engine, and on
             SQLite to the hot path's own connection either way.
-        pool_size: on Postgres, connections per process that the hot path keeps for its
-            one-statement operations (default 10); the engine the store builds has as
-            many again for transactional requests, ``get``, ``prune`` and your own Core
-            work. No overflow: a statement waits for a free connection, up to
-            ``command_timeout``, rather than open one. With an engine of your own the
-            hot path keeps half its pool.
+        pool_size: on Postgres and MariaDB/MySQL, connections per process that the
+            hot path keeps for its one-statement operations (default 10); the engine
+            the store builds has as many again for transactional requests, ``get``,
+            ``prune`` and your own Core work. No overflow: a statement waits for a free
+            connection, up to ``command_timeout``, rather than open one. With an engine
+            of your own the hot path keeps half its pool.
         batching: on Postgres, send the claims, completions, releases and renewals
             that queue while a statement of their kind is in flight as one statement
             (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
             ``None`` (the default) reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else
-            off). Ignored on SQLite.
+            off). Ignored on SQLite and MariaDB/MySQL.
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine: on a new loop the store opens a new pool and hot-path connections, and
@@ -131,10 +142,16 @@ class SQLStore:
             )
         self.engine = engine
         self.dialect = engine.dialect.name
-        if self.dialect not in ("postgresql", "sqlite"):
-            raise ValueError(f"SQLStore supports postgresql and sqlite, not {self.dialect}")
+        if self.dialect not in ("postgresql", "sqlite", *MYSQL_DIALECTS):
+            raise ValueError(
+                f"SQLStore supports postgresql, sqlite, mariadb and mysql, not {self.dialect}"
+            )
         if self.dialect == "postgresql" and engine.dialect.driver != "asyncpg":
             raise ValueError(f"SQLStore needs postgresql+asyncpg, not {engine.dialect.driver}")
+        if self.dialect in MYSQL_DIALECTS and engine.dialect.driver != "asyncmy":
+            raise ValueError(
+                f"SQLStore needs {self.dialect}+asyncmy, not {engine.dialect.driver}"
+            )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         if batching is None:
             batching = os.environ.get("IDEMPOTENCY_PG_BATCHING", "") == "1"
@@ -146,7 +163,11 @@ class SQLStore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tenure: LoopTenure | None = None
         self._time: Callable[[datetime], Any] = (
-            _aware if self.dialect == "postgresql" else _sqlite_aware
+            _aware
+            if self.dialect == "postgresql"
+            else _mysql_aware
+            if self.dialect in MYSQL_DIALECTS
+            else _sqlite_aware
         )
         # Transactions' connections close even when their request is cancelled.
         self._closing: set[asyncio.Task[Any]] = set()
@@ -154,6 +175,8 @@ class SQLStore:
 
     def _new_driver(self) -> _Driver:
         engine, timeout = self.engine, self._command_timeout
+        if self.dialect in MYSQL_DIALECTS:
+            return MySQLDriver(engine, limit=_hot_path_limit(engine), timeout=timeout)
         if self.dialect != "postgresql":
             return sqlite_driver(engine, timeout=timeout)
         limit = _hot_path_limit(engine)
@@ -191,7 +214,8 @@ class SQLStore:
         A table created here gets the migrations' head recorded in
         ``idempotency_alembic_version`` in the same transaction, so ``prepare``'s check
         passes and a later ``asgi-idempotency migrate`` continues from it. Safe to run
-        from several processes at once (a lock on Postgres, ``BEGIN IMMEDIATE`` on SQLite).
+        from several processes at once (a lock on Postgres, ``GET_LOCK`` on MariaDB/MySQL,
+        ``BEGIN IMMEDIATE`` on SQLite).
         """
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
@@ -207,6 +231,14 @@ class SQLStore:
                         await conn.exec_driver_sql("ROLLBACK")
                         raise
                     await conn.exec_driver_sql("COMMIT")
+            elif self.dialect in MYSQL_DIALECTS:
+                # DDL commits by itself here: in autocommit the head is recorded before
+                # the lock is released, so the next process sees both or neither.
+                async with (
+                    self._autocommit.connect() as conn,
+                    schema_lock(conn, self._command_timeout),
+                ):
+                    await conn.run_sync(_create_schema)
             else:
                 async with self.engine.begin() as conn:
                     await conn.execute(_PG_SCHEMA_LOCK)
@@ -258,8 +290,9 @@ class SQLStore:
         if problem is not None:
             url = redact(self.engine.url.render_as_string(hide_password=False))
             real = " (with the real password for ***)" if "***" in url else ""
+            name = "Postgres" if self.dialect == "postgresql" else "MariaDB/MySQL"
             why = (
-                "On Postgres the schema is the operator's: the middleware checks it at "
+                f"On {name} the schema is the operator's: the middleware checks it at "
                 "startup and creates nothing."
             )
             # The URL (host, port, user, database) is for the log; clients get the rest.
@@ -338,6 +371,13 @@ class SQLStore:
     def transactions_unavailable(self) -> str | None:
         if self.dialect == "postgresql":
             return None
+        if self.dialect in MYSQL_DIALECTS:
+            # Not built yet: the transactional claim decides a key under a Postgres
+            # advisory lock; GET_LOCK is the equivalent this dialect would need.
+            return (
+                f"SQLStore on {self.dialect} does not hold the claim and the handler in one "
+                "transaction yet (the transactional claim is Postgres's)"
+            )
         return (
             f"SQLStore on {self.dialect} cannot hold the claim and the handler in one transaction"
         )
@@ -396,6 +436,8 @@ class SQLStore:
             self._enter()
         try:
             async with self._autocommit.connect() as conn:
+                if self.dialect in MYSQL_DIALECTS:
+                    return await mysql_prune(conn, now=now, batch_size=batch_size)
                 result = await conn.execute(stmt)
                 return int(result.rowcount)
         except DRIVER_ERRORS as exc:
@@ -446,7 +488,7 @@ def _hot_path_limit(engine: AsyncEngine) -> int:
 def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEngine:
     url = async_url(url)  # the one URL rule (asgi_idempotency.urls): postgres:// -> asyncpg
     kwargs: dict[str, Any] = {}
-    if url.startswith("postgresql"):
+    if url.startswith(("postgresql", "mysql", "mariadb")):
         kwargs = {
             # pool_size for the hot path, as many again for everything else.
             "pool_size": 2 * pool_size,
@@ -460,9 +502,13 @@ def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEn
             "pool_pre_ping": False,
             "connect_args": {"command_timeout": command_timeout, "timeout": command_timeout},
         }
+        if url.startswith(("mysql", "mariadb")):
+            kwargs["connect_args"] = mysql_connect_args(command_timeout)
     elif url.startswith("sqlite"):
         kwargs = {"connect_args": {"timeout": command_timeout}}
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", set_pragmas)
+    elif engine.dialect.name in MYSQL_DIALECTS:
+        install_session_limits(engine, command_timeout)
     return engine

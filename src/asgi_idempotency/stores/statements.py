@@ -4,8 +4,9 @@ The hot-path statements are compiled at import for asyncpg and for sqlite3 and r
 by the driver as prepared statements; the rest run through SQLAlchemy Core. The
 dialects differ in two statements, both named here: the claim (Postgres returns
 the row in its way from the same statement, through a data-modifying CTE; SQLite
-inserts and, on conflict, selects) and the transactional claim (Postgres only: an
-advisory lock folded into the insert).
+inserts and, on conflict, selects; MariaDB/MySQL ``INSERT IGNORE`` and, when no row
+was affected, select) and the transactional claim (Postgres only: an advisory lock
+folded into the insert).
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    insert,
     literal_column,
     null,
     select,
     true,
     update,
 )
+from sqlalchemy.dialects.mysql.asyncmy import dialect as _asyncmy_dialect
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.asyncpg import dialect as _asyncpg_dialect
@@ -41,11 +44,12 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnClause
 
 from .base import STATUS_OF, Record, RecordStatus, StoredResponse
-from .schema import UTCDateTime, records
+from .schema import MYSQL_DIALECTS, UTCDateTime, records
 
 __all__ = [
     "CLAIM_LOCKED",
     "COMPLETE",
+    "MYSQL",
     "PG",
     "PG_BATCHED",
     "RECORD_COLUMNS",
@@ -142,6 +146,14 @@ _SQLITE_INSERT: ClauseElement = (
     .on_conflict_do_nothing(index_elements=[_t.c.key])
     .returning(literal_column("1"))
 )
+# Not ON DUPLICATE KEY UPDATE key=key: SQLAlchemy connects with CLIENT_FOUND_ROWS
+# (rowcounts count matched rows, which the fenced updates rely on), and under it that
+# no-op update reports 1 row, as an insert does. INSERT IGNORE reports 0 on a duplicate.
+# IGNORE would also truncate an overlong value where strict mode refuses it: the
+# driver checks lengths first (mysql.py).
+_MYSQL_INSERT: ClauseElement = (
+    insert(_t).prefix_with("IGNORE").values(key=bindparam("key"), **_CLAIMED_ROW)
+)
 _SELECT = select(*RECORD_COLUMNS).where(_KEY)
 _OWNED = _WHERE_KEY & (_t.c.token == bindparam("where_token")) & (_t.c.status == _IN_PROGRESS)
 _COMPLETE = (
@@ -198,6 +210,8 @@ def _compile_all(dialect: Dialect) -> dict[str, Compiled]:
     }
     if dialect.name == "postgresql":
         stmts["claim"] = _pg_claim(lock=False)
+    elif dialect.name in MYSQL_DIALECTS:
+        stmts["claim"] = _MYSQL_INSERT
     else:
         stmts["claim"] = _SQLITE_INSERT
     return {name: Compiled(stmt, dialect) for name, stmt in stmts.items()}
@@ -210,6 +224,8 @@ COMPLETE = _COMPLETE
 
 PG = _compile_all(_asyncpg_dialect())  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
 SQLITE = _compile_all(_aiosqlite_dialect())
+# asyncmy's server-side prepared statements take MySQL's own ``?`` placeholders.
+MYSQL = _compile_all(_asyncmy_dialect(paramstyle="qmark"))
 
 # Off the hot path: Core statements, run on an autocommit connection.
 

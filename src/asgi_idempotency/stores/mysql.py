@@ -1,0 +1,307 @@
+"""MariaDB and MySQL: the asyncmy hot path on connections kept from SQLAlchemy's pool.
+
+``SQLStore("mariadb+asyncmy://…")`` or ``("mysql+asyncmy://…")`` (the ``mysql`` extra).
+SQLAlchemy owns the schema, the engine, its pool and dialect selection, as on
+Postgres; the hot path keeps some of the pool's connections checked out (the
+connection keeping is :class:`~.postgres.PostgresDriver`'s, which is driver-neutral)
+and runs the statements of :data:`.statements.MYSQL` on them as server-side prepared
+statements, in autocommit: one statement, one round trip, no BEGIN/COMMIT.
+
+Round trips per primitive: the claim is one ``INSERT IGNORE`` (the affected rows say
+whether it inserted), plus one ``SELECT`` of the row in the way only when it did not
+(MySQL has no ``RETURNING`` on an insert and no data-modifying CTE); complete,
+release, renew and the take-over's compare-and-swap are one fenced ``UPDATE`` or
+``DELETE`` each, whose affected rows (matched rows: SQLAlchemy connects with
+``CLIENT_FOUND_ROWS``) say whether the token still owned the row.
+
+A connection the hot path has turned autocommit on for never goes back to the pool
+as it is: it is invalidated when the hot path lets it go, so Core work on the same
+engine never gets an autocommit connection it did not ask for.
+
+Timeouts: on an engine the store builds, each connection gets the server-side
+limits (:func:`session_limits`), so the server abandons a statement that runs past
+``command_timeout`` (rolled back, never committed after the client's 503), and
+asyncmy's ``read_timeout`` a second later is the backstop for a server that does not
+answer at all (the connection is then closed and dropped).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
+
+from sqlalchemy import Dialect, String, delete, event, select, text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.util import greenlet_spawn
+
+from ..errors import StoreError
+from .postgres import PostgresDriver
+from .schema import records
+from .sqlerrors import DRIVER_ERRORS, mysql_breaks, translate
+from .statements import MYSQL
+
+__all__ = [
+    "MySQLDriver",
+    "connect_args",
+    "install_session_limits",
+    "prune",
+    "schema_lock",
+    "session_limits",
+]
+
+T = TypeVar("T")
+
+
+# The little of asyncmy the hot path uses, typed (its stubs leave parameters untyped).
+class _Result(Protocol):
+    rows: tuple[tuple[Any, ...], ...] | None
+    affected_rows: int
+
+
+class _Prepared(Protocol):
+    async def execute(self, args: Sequence[Any] = ...) -> _Result: ...
+
+
+class _Connection(Protocol):
+    @property
+    def connected(self) -> bool: ...
+
+    def get_autocommit(self) -> bool: ...
+
+    async def autocommit(self, value: bool) -> None: ...
+
+    async def prepare(self, query: str) -> _Prepared: ...
+
+
+# The prepared statements of one driver connection, in its pool record's ``info``.
+_PREPARED = "asgi_idempotency.mysql.prepared"
+
+# What INSERT IGNORE would truncate silently (strict mode refuses it; IGNORE turns the
+# refusal into a warning): checked before the statement, as Postgres' VARCHAR(n) does.
+_LIMITS = tuple(
+    (name, cast(int, cast(String, records.c[name].type).length))
+    for name in ("key", "request_hash", "token")
+)
+
+
+def _check_claim(values: dict[str, Any]) -> None:
+    for name, limit in _LIMITS:
+        value = values[name]
+        if not isinstance(value, str) or len(value) > limit or not value.isascii():
+            raise StoreError(
+                f"ValueError: the claim's {name} must be at most {limit} ASCII characters"
+            )
+
+
+class MySQLDriver(PostgresDriver):
+    """asyncmy connections from SQLAlchemy's pool, kept by the hot path between statements.
+
+    The keeping (``limit`` connections at most, FIFO waiters, ``timeout`` seconds for a
+    free one, a broken connection taking the idle ones with it) is
+    :class:`~.postgres.PostgresDriver`'s; what differs is the driver: asyncmy's
+    prepared statements, autocommit turned on per connection, and which errors break
+    a connection (:func:`.sqlerrors.mysql_breaks`).
+    """
+
+    async def _open(self) -> PoolProxiedConnection:
+        fairy = await super()._open()
+        driver = _driver(fairy)
+        try:
+            # Once per connection: every hot-path statement then commits by itself.
+            if not driver.get_autocommit():
+                await driver.autocommit(True)
+        except BaseException as exc:
+            fairy.invalidate()
+            await greenlet_spawn(fairy.close)
+            self._release_slot()
+            if isinstance(exc, DRIVER_ERRORS):
+                raise translate(exc) from exc
+            raise
+        return fairy
+
+    def _close_soon(self, fairy: PoolProxiedConnection) -> None:
+        if fairy.is_valid:
+            fairy.invalidate()  # autocommit is on: never back into the pool as it is
+        super()._close_soon(fairy)
+
+    async def _run_mysql(
+        self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]
+    ) -> T:
+        fairy = await self._checkout()
+        driver = _driver(fairy)
+        held = fairy.info.get(_PREPARED)
+        if held is not None and held[0] is driver:
+            cache: dict[str, _Prepared] = held[1]
+        else:  # a connection new to the hot path (statement ids die with a connection)
+            cache = {}
+            fairy.info[_PREPARED] = (driver, cache)
+
+        async def prepared(name: str) -> _Prepared:
+            stmt = cache.get(name)
+            if stmt is None:
+                # One extra round trip, the first time this connection runs the statement.
+                stmt = cache[name] = await driver.prepare(MYSQL[name].sql)
+            return stmt
+
+        try:
+            result = await op(prepared)
+        except DRIVER_ERRORS as exc:
+            if not driver.connected or mysql_breaks(exc):
+                await self._discard(fairy, exc)
+            else:
+                self._checkin(fairy)
+            raise translate(exc) from exc
+        except BaseException:
+            # Cancelled mid-statement: the protocol stream is out of step; drop it.
+            fairy.invalidate()
+            self._close_soon(fairy)
+            self._release_slot()
+            raise
+        self._checkin(fairy)
+        return result
+
+    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
+        """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible).
+
+        Autocommit, so the SELECT reads the latest committed row: one deleted between
+        the two statements reads as None and the store asks again.
+        """
+        _check_claim(values)
+        insert_args = MYSQL["claim"].args(values)
+        select_args = MYSQL["select"].args(values)
+
+        async def op(
+            prepared: Callable[[str], Awaitable[_Prepared]],
+        ) -> tuple[bool, Sequence[Any] | None]:
+            inserted = await (await prepared("claim")).execute(insert_args)
+            if inserted.affected_rows == 1:
+                return True, None
+            rows = (await (await prepared("select")).execute(select_args)).rows
+            return False, (rows[0] if rows else None)
+
+        return await self._run_mysql(op)
+
+    async def rowcount(self, name: str, values: dict[str, Any]) -> int:
+        args = MYSQL[name].args(values)
+
+        async def op(prepared: Callable[[str], Awaitable[_Prepared]]) -> int:
+            return int((await (await prepared(name)).execute(args)).affected_rows)
+
+        return await self._run_mysql(op)
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for fairy in idle:
+            self._held -= 1
+            fairy.invalidate()  # autocommit is on: closed rather than pooled
+            await greenlet_spawn(fairy.close)
+        await super().close()
+
+
+def _driver(fairy: PoolProxiedConnection) -> _Connection:
+    return cast(_Connection, fairy.driver_connection)
+
+
+# Off the hot path.
+
+
+async def prune(conn: AsyncConnection, *, now: Any, batch_size: int) -> int:
+    """One batch of the prune: up to ``batch_size`` rows expired at ``now``, by primary key.
+
+    Two statements: a plain (non-locking) read of the victims' keys through the
+    ``expires_at`` index, then a delete of those keys that checks the expiry again
+    (a row taken over or renewed in between is kept). A single ``DELETE ... LIMIT``
+    on the index would instead hold next-key locks on a range of it and block the
+    claims inserting there; a delete by key locks only its own rows.
+    """
+    victims = select(records.c.key).where(records.c.expires_at <= now).limit(batch_size)
+    keys = [row[0] for row in await conn.execute(victims)]
+    if not keys:
+        return 0
+    gone = delete(records).where(records.c.key.in_(keys), records.c.expires_at <= now)
+    return int((await conn.execute(gone)).rowcount)
+
+
+# Serialises concurrent create_all calls on one server (a named lock of the session).
+_LOCK_NAME = "asgi_idempotency.schema"
+
+
+class schema_lock:  # used as a function: `async with schema_lock(conn, s):`
+    """``GET_LOCK`` for the schema while ``create_all`` runs, released after.
+
+    MariaDB/MySQL DDL commits by itself, so a transaction cannot keep two processes
+    from both seeing no table and both recording the migrations' head.
+    """
+
+    def __init__(self, conn: AsyncConnection, timeout: float) -> None:
+        self._conn, self._timeout = conn, max(1, math.ceil(timeout))
+
+    async def __aenter__(self) -> None:
+        got = await self._conn.scalar(
+            text("SELECT GET_LOCK(:name, :timeout)"),
+            {"name": _LOCK_NAME, "timeout": self._timeout},
+        )
+        if got != 1:
+            raise StoreError(
+                f"TimeoutError: another process held the schema lock for {self._timeout}s"
+            )
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _LOCK_NAME})
+
+
+def session_limits(dialect: Dialect, command_timeout: float) -> str:
+    """The ``SET SESSION`` that makes the server give up on a statement by itself (and
+    keeps notes out of the log).
+
+    ``innodb_lock_wait_timeout`` (whole seconds, at least 1) bounds a wait for a row
+    lock, such as a claim queued behind another's insert of the same key; MariaDB's
+    ``max_statement_time`` bounds every statement, MySQL's ``max_execution_time`` its
+    SELECTs (in milliseconds). Either way the statement is rolled back and the client
+    gets an error, not a commit after its 503.
+    """
+    parts = [
+        f"innodb_lock_wait_timeout = {max(1, math.ceil(command_timeout))}",
+        # asyncmy logs every note at WARNING: create_all's IF NOT EXISTS on a table
+        # that exists is not news.
+        "sql_notes = 0",
+    ]
+    if getattr(dialect, "is_mariadb", False):
+        parts.append(f"max_statement_time = {command_timeout:.6f}")
+    else:
+        parts.append(f"max_execution_time = {max(1, math.ceil(command_timeout * 1000))}")
+    return "SET SESSION " + ", ".join(parts)
+
+
+def install_session_limits(engine: AsyncEngine, command_timeout: float) -> None:
+    """Run :func:`session_limits` on each new connection of ``engine`` (no per-statement cost).
+
+    ``connect`` listeners run after the dialect's first-connect initialisation, so
+    whether the server is MariaDB is known by then.
+    """
+    dialect = engine.dialect
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(session_limits(dialect, command_timeout))
+        finally:
+            cursor.close()
+
+    event.listen(engine.sync_engine, "connect", on_connect)
+
+
+def connect_args(command_timeout: float) -> dict[str, Any]:
+    """asyncmy's connect arguments for an engine the store builds.
+
+    ``read_timeout`` is a second past ``command_timeout`` so that the server's own
+    limit (:func:`session_limits`) answers first and the connection stays usable; it
+    fires only when the server does not answer at all, and closes the connection.
+    """
+    return {
+        "connect_timeout": max(1, math.ceil(command_timeout)),
+        "read_timeout": command_timeout + 1.0,
+    }
