@@ -36,9 +36,15 @@ def _schemes(text: str) -> set[str]:
 
 # --- one list of URL spellings, Redis included --------------------------------------
 
-EVERY_SCHEME = {"postgresql", "postgres", "postgresql+asyncpg", "sqlite", "sqlite+aiosqlite"} | set(
-    REDIS_SCHEMES
-)
+EVERY_SCHEME = {
+    "postgresql",
+    "postgres",
+    "postgresql+asyncpg",
+    "sqlite",
+    "sqlite+aiosqlite",
+    "mariadb+asyncmy",
+    "mysql+asyncmy",
+} | set(REDIS_SCHEMES)
 
 
 def test_the_one_list_names_every_scheme_the_package_takes() -> None:
@@ -52,8 +58,7 @@ def _hint_from_sql_store() -> str:
 
 
 def _hint_from_redis_store() -> str:
-    pytest.importorskip("redis")
-    from asgi_idempotency.stores.redis import RedisStore
+    from asgi_idempotency.stores.redis import RedisStore  # redis is in the dev extra
 
     with pytest.raises(ValueError, match="unsupported") as caught:
         RedisStore("memcached://h:1")
