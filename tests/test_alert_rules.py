@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,44 @@ def test_every_label_and_outcome_the_files_query_is_exported() -> None:
     for where, expr in [*rule_exprs(), *dashboard_exprs()]:
         assert label_names(expr) <= labels, (where, label_names(expr) - labels)
         assert outcome_values(expr) <= outcomes, (where, outcome_values(expr) - outcomes)
+
+
+# --- The README's "Alerts and dashboard" section says what the files do
+
+
+def readme_alerts_section() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("\n#### Alerts and dashboard\n")
+    return text[start : text.index("\n#### ", start + 1)]
+
+
+def test_the_readme_alert_table_matches_the_rules() -> None:
+    section = readme_alerts_section()
+    rows = {
+        cells[0].strip("`"): (cells[2], cells[3])
+        for line in section.splitlines()
+        if line.startswith("| `Idempotency")
+        for cells in [[c.strip() for c in line.strip().strip("|").split(" | ")]]
+    }
+    in_rules = {
+        rule["alert"]: (rule.get("for", "0m"), rule["labels"]["severity"])
+        for rule in rules()
+        if "alert" in rule
+    }
+    assert rows == in_rules
+    recorded = {rule["record"] for rule in rules() if "record" in rule}
+    named = set(re.findall(r"`(route:[\w:]+)`", section))
+    assert named
+    assert named <= recorded
+
+
+def test_the_readme_commands_copy_the_files_out() -> None:
+    commands = re.findall(r'^python -c "(.+?)" > ', readme_alerts_section(), re.M)
+    assert len(commands) == 2
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for code in commands
+    ]
+    assert outputs == [RULES.read_text(), DASHBOARD.read_text()]
