@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from asgi_idempotency import ops
 from asgi_idempotency.metrics import Outcome
 from asgi_idempotency.prometheus import PrometheusMetrics
+from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "src" / "asgi_idempotency" / "ops" / "alerts.yml"
@@ -273,7 +274,7 @@ def test_every_label_and_outcome_the_files_query_is_exported() -> None:
 
 
 def readme_alerts_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = docs_text()
     start = text.index("\n#### Alerts and dashboard\n")
     return text[start : text.index("\n#### ", start + 1)]
 

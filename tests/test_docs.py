@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.docs_text import docs_text
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "src").rglob("*.py"))
 
@@ -26,7 +28,7 @@ def test_every_docs_file_named_in_src_exists() -> None:
 def test_every_readme_section_named_in_src_exists() -> None:
     headings = {
         m.group(1).strip()
-        for m in re.finditer(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.M)
+        for m in re.finditer(r"^#+ (.+)$", docs_text(), re.M)
     }
     named = {
         (source.relative_to(ROOT), section)

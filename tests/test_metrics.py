@@ -8,7 +8,6 @@ import re
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,13 +36,13 @@ from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
 from tests.conftest import TinyFactory
+from tests.docs_text import docs_text
 
 pytestmark = pytest.mark.anyio
 
 UNREACHABLE = "postgresql+asyncpg://postgres@127.0.0.1:9/x"
 RAW_KEY = "raw-key-SECRET-4242"
 BODY_MARK = "BODY-SECRET-1717"
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
@@ -251,7 +250,7 @@ async def test_the_metrics_route_answers_200_at_slash_metrics(
 
 def readme_prometheus_example() -> str:
     """The Python block under the README's "Prometheus" heading, as written."""
-    text = README.read_text()
+    text = docs_text()
     section = text[text.index("#### Prometheus") :]
     start = section.index("```python\n") + len("```python\n")
     return section[start : section.index("```", start)]
@@ -300,7 +299,7 @@ async def test_two_apps_count_into_the_default_registry_together() -> None:
 
 
 def readme_section(heading: str, next_heading: str) -> str:
-    text = README.read_text()
+    text = docs_text()
     start = text.index(f"\n{heading}\n")
     return text[start : text.index(f"\n{next_heading}\n", start)]
 

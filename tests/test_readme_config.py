@@ -20,9 +20,10 @@ import pytest
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore, idempotent
 from asgi_idempotency.cli import Exit
 from asgi_idempotency.urls import ENV_URL
+from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+README = docs_text()  # the README and the docs pages
 SOURCES = sorted((ROOT / "src").rglob("*.py"))
 
 
@@ -79,7 +80,7 @@ def test_idempotent_takes_policys_fields_with_its_defaults() -> None:
 
 def _documented_signature(name: str) -> ast.arguments:
     """``Name(a, *, b=1, ...)`` as the README prints it, parsed as a function's arguments."""
-    match = re.search(rf"`{name}\((.+?)\)`", README)
+    match = re.search(rf"`{name}\((\w+, \*, .+?)\)`", README)  # the full signature
     assert match is not None, f"the README shows no signature of {name}"
     module = ast.parse(f"def f({match.group(1)}): pass")
     function = module.body[0]

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.docs_text import docs_text
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,7 +27,7 @@ def section_code(markdown: str, heading: str) -> str:
 
 
 def test_the_readme_testing_example_passes(tmp_path: Path) -> None:
-    code = section_code((ROOT / "README.md").read_text(encoding="utf-8"), "Testing your app")
+    code = section_code(docs_text(), "Testing your app")
     (tmp_path / "test_app.py").write_text(code, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     warnings_as_errors = ["-W", "error::ResourceWarning",

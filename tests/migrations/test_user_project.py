@@ -27,10 +27,10 @@ from sqlalchemy import Column, Engine, Index, Integer, MetaData, String, Table, 
 from asgi_idempotency.cli import main as cli_main
 from asgi_idempotency.migrations import TABLE, VERSION_TABLE, include_object
 from tests.conftest import PgServer
+from tests.docs_text import docs_text
 
 pytestmark = pytest.mark.postgres
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 
 # The application's model as the scratch project declares it: `note` is new, so the
 # database (built from the model without it) lags by exactly one column.
@@ -68,7 +68,7 @@ def _deployed_orders(metadata: MetaData) -> Table:
 
 def readme_env_py() -> str:
     """The ``env.py`` the README prints under "Alembic in your project"."""
-    text = README.read_text(encoding="utf-8")
+    text = docs_text()
     section = text.split("\n### Alembic in your project\n", 1)[1]
     found = re.search(r"```python\n(.*?)```", section, re.S)
     assert found is not None, "the README's recipe has no python block"
