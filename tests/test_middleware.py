@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
-from asgi_idempotency import Policy, SQLStore
+from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
 from asgi_idempotency.capture import storable_headers
 from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
@@ -304,3 +305,34 @@ async def test_problem_bodies_follow_rfc9457(store: Store, tiny: TinyFactory) ->
     assert set(body) == {"type", "title", "status", "detail"}
     assert body["status"] == 400
     assert body["type"].startswith("urn:asgi-idempotency:problem:")
+
+
+def test_retry_after_must_be_a_positive_number() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError
+
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="retry_after"):
+            IdempotencyMiddleware(app, store=MemoryStore(), retry_after=bad)
+    with pytest.raises(TypeError, match="retry_after"):
+        IdempotencyMiddleware(app, store=MemoryStore(), retry_after="1")  # type: ignore[arg-type]
+
+
+async def test_the_guard_added_with_add_middleware_is_reachable_for_its_snapshot() -> None:
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/pay", status_code=201)
+    async def pay() -> dict[str, int]:
+        return {"ok": 1}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)
+    with pytest.raises(LookupError, match="once the app has started"):
+        IdempotencyMiddleware.of(app)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        await c.post("/pay", headers={"Idempotency-Key": "k"})
+        await c.post("/pay", headers={"Idempotency-Key": "k"})
+    snapshot = IdempotencyMiddleware.of(app).snapshot()
+    assert snapshot.replay_rate() == 0.5

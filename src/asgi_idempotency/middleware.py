@@ -127,6 +127,10 @@ class IdempotencyMiddleware:
         self.fail_open = fail_open
         self.metrics = metrics
         self.clock = clock
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)):
+            raise TypeError(f"retry_after is a number of seconds, not {retry_after!r}")
+        if not retry_after > 0:  # also refuses NaN
+            raise ValueError(f"retry_after must be a positive number of seconds, not {retry_after}")
         self.retry_after = retry_after
         self.prune_interval = prune_interval
         if mode not in ("enforce", "report"):
@@ -145,6 +149,28 @@ class IdempotencyMiddleware:
         self._started = False
         self._refusal: PrincipalMisconfigured | None = None
         self._claim_endpoints: set[int] | None = None  # from_dependency: endpoints that claim
+
+    @classmethod
+    def of(cls, app: Any) -> IdempotencyMiddleware:
+        """The guard an app was given with ``add_middleware`` (or ``middleware=[...]``).
+
+        Starlette builds its middleware when it starts, so call this once the app has
+        started (in its lifespan, a test client's ``with`` block, or a request).
+
+        Raises:
+            LookupError: the app has not started yet, or has no IdempotencyMiddleware.
+        """
+        node = getattr(app, "middleware_stack", None)
+        for _ in range(100):
+            if node is None:
+                break
+            if isinstance(node, cls):
+                return node
+            node = getattr(node, "app", None)
+        raise LookupError(
+            "no IdempotencyMiddleware in this app's middleware yet: call "
+            "IdempotencyMiddleware.of(app) once the app has started"
+        )
 
     def snapshot(self) -> MetricsSnapshot:
         """This middleware's outcome counts so far, by route template and outcome.
