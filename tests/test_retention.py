@@ -181,9 +181,12 @@ async def test_background_pruner_prunes_and_survives_store_errors(
                 break
             await asyncio.sleep(0.01)
         assert failing.runs >= 3  # kept going
-    failures = [r for r in caplog.records if r.getMessage() == "idempotency.prune_failed"]
+    failures = [
+        r for r in caplog.records if r.getMessage().startswith("idempotency.prune_failed ")
+    ]
     assert len(failures) >= 3
     assert failures[0].__dict__["error"] == "StoreError"
+    assert "error=StoreError detail=" in failures[0].getMessage()  # readable without a formatter
 
 
 @pytest.mark.parametrize("how", ["PruningMiddleware", "IdempotencyMiddleware(prune_interval=)"])

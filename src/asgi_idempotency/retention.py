@@ -224,13 +224,12 @@ class Pruner:
         )
         self.pruned += deleted
         if deleted:
+            elapsed = round(time.perf_counter() - started, 3)
             logger.info(
-                "idempotency.pruned",
-                extra={
-                    "event": "idempotency.pruned",
-                    "pruned": deleted,
-                    "elapsed_s": round(time.perf_counter() - started, 3),
-                },
+                "idempotency.pruned pruned=%d elapsed_s=%s",
+                deleted,
+                elapsed,
+                extra={"event": "idempotency.pruned", "pruned": deleted, "elapsed_s": elapsed},
             )
         return deleted
 
@@ -239,8 +238,13 @@ class Pruner:
             try:
                 await self.run_once()
             except Exception as exc:
+                # The reason on the line itself: with plain logging, the fields in
+                # ``extra`` are not printed. Store messages name no key or body.
                 logger.warning(
-                    "idempotency.prune_failed",
+                    "idempotency.prune_failed error=%s detail=%s -- the next run retries; "
+                    "check that the store is reachable",
+                    type(exc).__name__,
+                    str(exc).replace("\n", " "),
                     extra={"event": "idempotency.prune_failed", "error": type(exc).__name__},
                     exc_info=not isinstance(exc, StoreError),
                 )
