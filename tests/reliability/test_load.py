@@ -23,7 +23,7 @@ from .support import DEMO, Probe, demo_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]
 WORKERS = 2  # the machine has two cores and is shared
-CONCURRENCY = 8  # past this the shared two-core box only queues (measured: ~100-300 req/s)
+CONCURRENCY = 8  # past this a two-core machine only queues requests
 FRESH, INFLIGHT, MISMATCH = 100, 30, 40
 SLOW = 1.5  # seconds an in-flight first request takes
 

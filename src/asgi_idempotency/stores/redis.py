@@ -631,7 +631,7 @@ def _make_client(url: str, command_timeout: float) -> _Client:
         return RedisCluster.from_url(redis_url, **options)
     # One server: no socket_timeout (redis-py's default is 5 s). With one, redis-py
     # wraps every send in asyncio.wait_for, a Task and a loop pass of its own, and every
-    # read in a timeout: about 150k instructions of a first request's two commands. The
+    # read in a timeout: a large share of a first request's own cost. The
     # store bounds each whole call with asyncio.timeout(command_timeout) instead (_run,
     # _call), so a hung server is still a StoreError, and sooner: the bound covers the
     # retries, where a socket timeout applied to each attempt. Cancelled mid-send or
