@@ -13,12 +13,21 @@ module says what their answers mean:
 ============================  ===========  =====  ==========================
 row before                    fingerprint  lease  outcome
 ============================  ===========  =====  ==========================
-none, or expired              —            —      CLAIMED: run the handler
+none, or expired (see below)  —            —      CLAIMED: run the handler
 in progress                   same         live   IN_PROGRESS (409)
 in progress                   same         over   TAKEN_OVER: run the handler
 in progress or completed      different    —      MISMATCH (422)
 completed                     same         —      COMPLETED: replay
 ============================  ===========  =====  ==========================
+
+A claim that is still owned and renewed (in progress, lease live) is never expired,
+whatever its ``expires_at`` says: a handler may outlive its ``ttl``, and a duplicate
+must then get 409, not a second run. Stores keep their own expiry (prune's ``WHERE``,
+Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
+row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and a
+claim is written with ``lease <= ttl`` (``Policy``), so an in-progress row whose lease
+is live is never past its ``expires_at``. The rule is stated here too so that a row
+written otherwise (renewed by an older version) is still judged by it.
 """
 
 from __future__ import annotations
@@ -53,12 +62,16 @@ class RecordState(enum.StrEnum):
 
 
 def state(status: RecordStatus, *, expired: bool, lease_over: bool) -> RecordState:
-    """The state of a row from its status and which side of ``now`` its deadlines fall."""
-    if expired:
-        return RecordState.EXPIRED
+    """The state of a row from its status and which side of ``now`` its deadlines fall.
+
+    An in-progress row whose lease is live is RUNNING even past ``expires_at``: its
+    owner is still at work and renewing it (the rule in the module docstring).
+    """
     if status is RecordStatus.COMPLETED:
-        return RecordState.COMPLETED
-    return RecordState.ABANDONED if lease_over else RecordState.RUNNING
+        return RecordState.EXPIRED if expired else RecordState.COMPLETED
+    if not lease_over:
+        return RecordState.RUNNING
+    return RecordState.EXPIRED if expired else RecordState.ABANDONED
 
 
 def state_of(record: Record, now: datetime) -> RecordState:
@@ -106,8 +119,13 @@ def judge(existing: Record | None, request_hash: str, now: datetime) -> ClaimOut
     # state_of(existing, now), read in the order state() tests it, without its two
     # calls: every replay, 409 and 422 comes here. tests/test_lifecycle.py holds the
     # two to the same answer for every combination.
-    if existing is None or existing.expires_at <= now:
-        return ClaimOutcome.CLAIMED  # an expired key behaves as new, pruned or not
+    if existing is None:
+        return ClaimOutcome.CLAIMED
+    if existing.expires_at <= now and (
+        existing.status is RecordStatus.COMPLETED or existing.locked_until <= now
+    ):
+        # An expired key behaves as new, pruned or not; a live claim is never expired.
+        return ClaimOutcome.CLAIMED
     if existing.request_hash != request_hash:
         return ClaimOutcome.MISMATCH
     if existing.status is RecordStatus.COMPLETED:
