@@ -8,6 +8,7 @@ module says what their answers mean:
 - :func:`claim` — the claim itself, as store primitives: insert, else judge the row
   in the way and, where the request may have it, take it over by compare-and-swap;
 - :func:`completes` — whether a handler's response completes the key or releases it;
+- :func:`completion_retries` — when to try again a completion that the store failed;
 - :func:`in_progress_wait` — the ``Retry-After`` of a 409.
 
 ============================  ===========  =====  ==========================
@@ -33,7 +34,7 @@ written otherwise (renewed by an older version) is still judged by it.
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal, NamedTuple, Protocol
 
 from .errors import StoreError
@@ -45,6 +46,7 @@ __all__ = [
     "RecordState",
     "claim",
     "completes",
+    "completion_retries",
     "in_progress_wait",
     "judge",
     "state",
@@ -204,3 +206,31 @@ def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -
     if record is None:
         return retry_after
     return min((record.locked_until - now).total_seconds(), retry_after)
+
+
+# A completion the store failed leaves the claim in progress although the handler's
+# effect happened: retries get 409 until the lease ends, and then one takes the claim
+# over and runs the handler again. So the owner tries again, in the background (the
+# client already has its answer), keeping its lease renewed meanwhile so that nobody
+# takes the claim over. A few attempts, doubling from this many seconds, all within
+# one lease of the failure: a store that stays down leaves the key as a crash would.
+COMPLETION_RETRY_FIRST = 0.1
+COMPLETION_RETRIES = 5
+
+
+def completion_retries(lease: timedelta) -> list[float]:
+    """Seconds to wait before each further attempt at a completion the store failed.
+
+    Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s), at most
+    :data:`COMPLETION_RETRIES` (5) of them, their sum less than ``lease``; empty when
+    even the first would not fit. Past the last, the owner gives up: the claim stays
+    in progress until its lease ends, as after a crash.
+    """
+    budget = lease.total_seconds()
+    delays: list[float] = []
+    delay, total = COMPLETION_RETRY_FIRST, 0.0
+    while len(delays) < COMPLETION_RETRIES and total + delay < budget:
+        delays.append(delay)
+        total += delay
+        delay *= 2
+    return delays
