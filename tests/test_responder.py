@@ -227,3 +227,38 @@ async def test_a_completion_that_keeps_failing_gives_up_within_the_lease(
     assert [r.levelno for r in retries] == [logging.WARNING] * 3
     assert all(len(r.__dict__["key_digest"]) == 16 for r in gave_up + retries)
     assert all(KEY not in r.getMessage() for r in caplog.records)
+
+
+class AnswerLost(MemoryStore):
+    """Its first completion lands, but the answer is lost (a StoreError all the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completes = 0
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        self.completes += 1
+        done = await super().complete(key, token, response, expires_at=expires_at)
+        if self.completes == 1:
+            raise StoreError("connection lost after the write")
+        return done
+
+
+async def test_a_completion_that_had_landed_is_recovered_not_a_lost_claim(
+    tiny: TinyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AnswerLost()
+    app = tiny(store, policies={"POST /pay": POLICY})
+    with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
+        async with app.client() as client:
+            first = await pay(client)
+            await until(lambda: any(
+                r.__dict__.get("event") == "idempotency.complete_recovered" for r in caplog.records
+            ))  # fmt: skip
+            replay = await pay(client)
+    assert (first.status_code, replay.headers["idempotent-replayed"]) == (201, "true")
+    assert store.completes == 2
+    events = [r.__dict__.get("event") for r in caplog.records]
+    assert "idempotency.claim_lost" not in events

@@ -57,7 +57,13 @@ from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
 from .policy import Policy
-from .stores.base import Store, StoredResponse, StoreTransaction, TransactionalStore
+from .stores.base import (
+    RecordStatus,
+    Store,
+    StoredResponse,
+    StoreTransaction,
+    TransactionalStore,
+)
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -163,7 +169,7 @@ class Runtime:
                     attempt=attempts, error=type(exc).__name__,
                 )  # fmt: skip
                 continue
-            if owned:
+            if owned or await self._landed(key, token):
                 self.observer.log(
                     logging.WARNING, "idempotency.complete_recovered", route, key,
                     attempt=attempts,
@@ -175,6 +181,17 @@ class Runtime:
             return
         self.observer.log(
             logging.ERROR, "idempotency.complete_gave_up", route, key, attempts=attempts
+        )
+
+    async def _landed(self, key: str, token: str) -> bool:
+        """Whether our claim is completed already: a failure whose write had landed (the
+        answer was lost) leaves nothing for a retry to complete, and is no lost claim."""
+        try:
+            record = await self.store.get(key)
+        except StoreError:
+            return False
+        return (
+            record is not None and record.token == token and record.status is RecordStatus.COMPLETED
         )
 
     def _completed_again(
