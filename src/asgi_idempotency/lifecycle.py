@@ -25,9 +25,9 @@ A claim that is still owned and renewed (in progress, lease live) is never expir
 whatever its ``expires_at`` says: a handler may outlive its ``ttl``, and a duplicate
 must then get 409, not a second run. Stores keep their own expiry (prune's ``WHERE``,
 Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
-row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and a
-claim is written with ``lease <= ttl`` (``Policy``), so an in-progress row whose lease
-is live is never past its ``expires_at``. The rule is stated here too so that a row
+row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and
+:func:`claim` writes ``expires_at`` no earlier than ``locked_until``, so an in-progress
+row whose lease is live is never past its ``expires_at``. The rule is stated here too so that a row
 written otherwise (renewed by an older version) is still judged by it.
 """
 
@@ -167,6 +167,10 @@ async def claim(
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
     """
+    if expires_at < locked_until:
+        # Retention never ends within the lease (the rule above); Policy already
+        # refuses lease > ttl, this holds it for any caller.
+        expires_at = locked_until
     new = NewClaim(key, request_hash, token, now, locked_until, expires_at)
     for _ in range(CLAIM_ATTEMPTS):
         existing = await store.insert(new)

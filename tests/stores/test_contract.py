@@ -344,3 +344,15 @@ async def test_a_claim_no_longer_renewed_expires_after_its_last_lease(store: Sto
     gone = T0 + timedelta(seconds=2.5)
     assert await store.prune(now=gone - timedelta(milliseconds=1)) == 0
     assert (await claim(store, key=KEY, h="h2", now=gone)).outcome is ClaimOutcome.CLAIMED
+
+
+async def test_a_claim_is_never_written_to_expire_within_its_lease(store: Store) -> None:
+    # Policy refuses lease > ttl; the lifecycle holds the rule for any caller.
+    await lifecycle.claim(
+        store, KEY, "h1", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + LEASE / 2
+    )
+    record = await store.get(KEY)
+    assert record is not None
+    assert record.expires_at == record.locked_until == T0 + LEASE
+    assert await store.prune(now=T0 + LEASE * 3 / 4) == 0
+    assert (await claim(store, key=KEY, now=T0 + LEASE * 3 / 4)).outcome is ClaimOutcome.IN_PROGRESS
