@@ -27,8 +27,9 @@ must then get 409, not a second run. Stores keep their own expiry (prune's ``WHE
 Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
 row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and
 :func:`claim` writes ``expires_at`` no earlier than ``locked_until``, so an in-progress
-row whose lease is live is never past its ``expires_at``. The rule is stated here too so that a row
-written otherwise (renewed by an older version) is still judged by it.
+row whose lease is live is never past its ``expires_at``. The rule is stated here
+too, so that a row written otherwise (renewed by an older version) is still judged
+by it.
 """
 
 from __future__ import annotations
