@@ -9,10 +9,12 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from asgi_idempotency import Policy
 from asgi_idempotency.lease import LeaseRenewal, LeaseRenewals
 from asgi_idempotency.observer import Observer
-from asgi_idempotency.stores.base import NewClaim, utcnow
+from asgi_idempotency.stores.base import NewClaim, Store, utcnow
 from asgi_idempotency.stores.memory import MemoryStore
+from tests.conftest import TinyFactory
 
 EVERY = 0.05  # seconds between renewals: short, so the tests wait little
 LEASE = timedelta(seconds=1)
@@ -142,3 +144,31 @@ def test_the_schedule_follows_the_app_to_a_new_event_loop() -> None:
     # Once that loop is closed, what it held can never run: the schedule moves over.
     assert not isinstance(asyncio.run(start_and_watch("moved")), LeaseRenewal)
     assert "token-abandoned" not in store.renewed
+
+
+@pytest.mark.anyio
+async def test_a_handler_outliving_its_ttl_runs_once(store: Store, tiny: TinyFactory) -> None:
+    # Real time, every store: ttl 2 s, lease 1 s (renewed every third of it), a 3 s
+    # handler. A duplicate at 2.5 s is past the claim's ttl but within its renewed
+    # lease: 409, never a second run (Redis must not drop the key at its TTL either).
+    policy = Policy(required=True, ttl=timedelta(seconds=2), lease=timedelta(seconds=1))
+    app = tiny(store, policies={"POST /pay": policy})
+    headers = {"Idempotency-Key": "outlives-ttl"}
+    body = {"wait": True}
+    async with app.client(timeout=10) as client:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first = asyncio.ensure_future(client.post("/pay", json=body, headers=headers))
+        await asyncio.wait_for(app.entered.wait(), 2)
+        await asyncio.sleep(started + 2.5 - loop.time())
+        # A second run would wait on the gate too: bounded, it fails here instead.
+        duplicate = await asyncio.wait_for(client.post("/pay", json=body, headers=headers), 2)
+        assert duplicate.status_code == 409
+        await asyncio.sleep(started + 3 - loop.time())
+        app.gate.set()
+        assert (await first).status_code == 201
+        replay = await client.post("/pay", json=body, headers=headers)
+    assert replay.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json() == (await first).json()
+    assert app.calls["pay"] == 1

@@ -7,7 +7,13 @@ from datetime import timedelta
 
 import pytest
 
-from asgi_idempotency.lifecycle import ClaimOutcome, RecordState, judge, state_of
+from asgi_idempotency.lifecycle import (
+    ClaimOutcome,
+    RecordState,
+    completion_retries,
+    judge,
+    state_of,
+)
 from asgi_idempotency.stores.base import Record, RecordStatus, utcnow
 
 NOW = utcnow()
@@ -50,3 +56,21 @@ def test_judge_answers_as_the_state_of_the_row_says(
 
 def test_no_row_is_a_claim() -> None:
     assert judge(None, "h", NOW) is ClaimOutcome.CLAIMED
+
+
+def test_a_live_claim_past_its_ttl_is_running_not_expired() -> None:
+    # Renewed past expires_at (a handler outliving its ttl): its owner is still at work.
+    record = Record("k", "h", RecordStatus.IN_PROGRESS, "t", NOW - 3 * SECOND, NOW + SECOND,
+                    NOW - SECOND)  # fmt: skip
+    assert state_of(record, NOW) is RecordState.RUNNING
+    assert judge(record, "h", NOW) is ClaimOutcome.IN_PROGRESS
+    assert judge(record, "x", NOW) is ClaimOutcome.MISMATCH
+    # Once its lease is over too, it is expired: the key is new again.
+    assert state_of(record, NOW + SECOND) is RecordState.EXPIRED
+    assert judge(record, "x", NOW + SECOND) is ClaimOutcome.CLAIMED
+
+
+def test_a_failed_completion_is_retried_a_few_times_within_one_lease() -> None:
+    assert completion_retries(timedelta(seconds=30)) == [0.1, 0.2, 0.4, 0.8, 1.6]
+    assert completion_retries(timedelta(seconds=1)) == [0.1, 0.2, 0.4]  # 0.8 more is past it
+    assert completion_retries(timedelta(milliseconds=100)) == []

@@ -1,11 +1,14 @@
-"""The responder's last duty: a completion interrupted by cancellation still lands or is logged."""
+"""The responder's last duty: a completion that is cancelled or fails still lands, or is logged."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta
+from pathlib import Path
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -13,8 +16,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, StoredResponse, StoreError
+from asgi_idempotency import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    Policy,
+    SQLStore,
+    StoredResponse,
+    StoreError,
+)
 from asgi_idempotency.asgi import Message
+from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio
 
@@ -77,3 +88,177 @@ async def test_a_failed_background_completion_is_logged_with_its_route_and_key_d
     assert record.__dict__["phase"] == "complete"
     assert len(record.__dict__["key_digest"]) == 16
     assert "k-1" not in record.getMessage()
+
+
+# A completion the store fails is tried again in the background (lifecycle.completion_retries)
+# while the client already has its answer, under a renewed lease.
+
+# Retries 0.1, 0.2 and 0.4 s apart after the failure; renewals every third of a second.
+LEASE = timedelta(seconds=1)
+POLICY = Policy(required=True, ttl=timedelta(hours=1), lease=LEASE)
+KEY = "completion-fails"
+
+
+class FlakyMemory(MemoryStore):
+    """Fails its first ``failures`` completions; counts completions and renewals."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures, self.completes, self.renews = failures, 0, 0
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        self.completes += 1
+        if self.completes <= self.failures:
+            raise StoreError("connection lost while completing")
+        return await super().complete(key, token, response, expires_at=expires_at)
+
+    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+        self.renews += 1
+        return await super().renew(key, token, locked_until=locked_until)
+
+
+class FlakySQLite(SQLStore):
+    """The real SQLite store, failing its first ``failures`` completions the same way."""
+
+    def __init__(self, url: str, failures: int) -> None:
+        super().__init__(url)
+        self.failures, self.completes, self.renews = failures, 0, 0
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        self.completes += 1
+        if self.completes <= self.failures:
+            raise StoreError("connection lost while completing")
+        return await super().complete(key, token, response, expires_at=expires_at)
+
+    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+        self.renews += 1
+        return await super().renew(key, token, locked_until=locked_until)
+
+
+Flaky = FlakyMemory | FlakySQLite
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def flaky(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Callable[[int], Flaky]]:
+    """``flaky(failures)``: a memory or SQLite store whose first completions fail."""
+    made: list[Flaky] = []
+
+    def make(failures: int) -> Flaky:
+        store: Flaky
+        if request.param == "memory":
+            store = FlakyMemory(failures)
+        else:
+            store = FlakySQLite(f"sqlite+aiosqlite:///{tmp_path / 'flaky.db'}", failures)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+async def until(condition: Callable[[], bool], within: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def pay(client: httpx.AsyncClient) -> httpx.Response:
+    return await client.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": KEY})
+
+
+async def test_a_failed_completion_is_completed_in_the_background_and_replayed(
+    flaky: Callable[[int], Flaky], tiny: TinyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = flaky(1)
+    app = tiny(store, policies={"POST /pay": POLICY})
+    with caplog.at_level(logging.INFO, logger="asgi_idempotency"):
+        async with app.client() as client:
+            first = await pay(client)
+            assert first.status_code == 201  # at once: the failure is not the client's
+            await until(lambda: store.completes == 2)
+            replay = await pay(client)
+    assert replay.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json() == first.json()
+    assert app.calls == {"pay": 1}
+    events = [(r.levelno, r.__dict__["event"]) for r in caplog.records if "event" in r.__dict__]
+    assert (logging.ERROR, "idempotency.store_error") in events
+    assert (logging.WARNING, "idempotency.complete_recovered") in events
+    assert all(KEY not in r.getMessage() for r in caplog.records)
+
+
+async def test_a_completion_that_keeps_failing_gives_up_within_the_lease(
+    flaky: Callable[[int], Flaky], tiny: TinyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = flaky(1000)
+    app = tiny(store, policies={"POST /pay": POLICY})
+    with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
+        async with app.client() as client:
+            started = asyncio.get_running_loop().time()
+            assert (await pay(client)).status_code == 201
+            await until(lambda: any(
+                r.__dict__.get("event") == "idempotency.complete_gave_up" for r in caplog.records
+            ))  # fmt: skip
+            assert asyncio.get_running_loop().time() - started < LEASE.total_seconds()
+            # As before: the row stays in progress (409) until its lease ends.
+            assert (await pay(client)).status_code == 409
+            # The lease was renewed while it tried, and no longer once it gave up.
+            assert store.renews >= 1
+            renews = store.renews
+            await asyncio.sleep(LEASE.total_seconds() / 2)
+            assert store.renews == renews
+    assert store.completes == 4  # the first and three more, at 0.1, 0.2 and 0.4 s
+    assert app.calls == {"pay": 1}
+    gave_up = [
+        r for r in caplog.records if r.__dict__.get("event") == "idempotency.complete_gave_up"
+    ]
+    assert [(r.levelno, r.__dict__["attempts"]) for r in gave_up] == [(logging.ERROR, 4)]
+    retries = [
+        r for r in caplog.records if r.__dict__.get("event") == "idempotency.complete_retry_failed"
+    ]
+    assert [r.levelno for r in retries] == [logging.WARNING] * 3
+    assert all(len(r.__dict__["key_digest"]) == 16 for r in gave_up + retries)
+    assert all(KEY not in r.getMessage() for r in caplog.records)
+
+
+class AnswerLost(MemoryStore):
+    """Its first completion lands, but the answer is lost (a StoreError all the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completes = 0
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        self.completes += 1
+        done = await super().complete(key, token, response, expires_at=expires_at)
+        if self.completes == 1:
+            raise StoreError("connection lost after the write")
+        return done
+
+
+async def test_a_completion_that_had_landed_is_recovered_not_a_lost_claim(
+    tiny: TinyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AnswerLost()
+    app = tiny(store, policies={"POST /pay": POLICY})
+    with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
+        async with app.client() as client:
+            first = await pay(client)
+            await until(lambda: any(
+                r.__dict__.get("event") == "idempotency.complete_recovered" for r in caplog.records
+            ))  # fmt: skip
+            replay = await pay(client)
+    assert (first.status_code, replay.headers["idempotent-replayed"]) == (201, "true")
+    assert store.completes == 2
+    events = [r.__dict__.get("event") for r in caplog.records]
+    assert "idempotency.claim_lost" not in events

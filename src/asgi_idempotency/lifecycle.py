@@ -8,23 +8,34 @@ module says what their answers mean:
 - :func:`claim` — the claim itself, as store primitives: insert, else judge the row
   in the way and, where the request may have it, take it over by compare-and-swap;
 - :func:`completes` — whether a handler's response completes the key or releases it;
+- :func:`completion_retries` — when to try again a completion that the store failed;
 - :func:`in_progress_wait` — the ``Retry-After`` of a 409.
 
 ============================  ===========  =====  ==========================
 row before                    fingerprint  lease  outcome
 ============================  ===========  =====  ==========================
-none, or expired              —            —      CLAIMED: run the handler
+none, or expired (see below)  —            —      CLAIMED: run the handler
 in progress                   same         live   IN_PROGRESS (409)
 in progress                   same         over   TAKEN_OVER: run the handler
 in progress or completed      different    —      MISMATCH (422)
 completed                     same         —      COMPLETED: replay
 ============================  ===========  =====  ==========================
+
+A claim that is still owned and renewed (in progress, lease live) is never expired,
+whatever its ``expires_at`` says: a handler may outlive its ``ttl``, and a duplicate
+must then get 409, not a second run. Stores keep their own expiry (prune's ``WHERE``,
+Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
+row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and
+:func:`claim` writes ``expires_at`` no earlier than ``locked_until``, so an in-progress
+row whose lease is live is never past its ``expires_at``. The rule is stated here
+too, so that a row written otherwise (renewed by an older version) is still judged
+by it.
 """
 
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal, NamedTuple, Protocol
 
 from .errors import StoreError
@@ -36,6 +47,7 @@ __all__ = [
     "RecordState",
     "claim",
     "completes",
+    "completion_retries",
     "in_progress_wait",
     "judge",
     "state",
@@ -53,12 +65,16 @@ class RecordState(enum.StrEnum):
 
 
 def state(status: RecordStatus, *, expired: bool, lease_over: bool) -> RecordState:
-    """The state of a row from its status and which side of ``now`` its deadlines fall."""
-    if expired:
-        return RecordState.EXPIRED
+    """The state of a row from its status and which side of ``now`` its deadlines fall.
+
+    An in-progress row whose lease is live is RUNNING even past ``expires_at``: its
+    owner is still at work and renewing it (the rule in the module docstring).
+    """
     if status is RecordStatus.COMPLETED:
-        return RecordState.COMPLETED
-    return RecordState.ABANDONED if lease_over else RecordState.RUNNING
+        return RecordState.EXPIRED if expired else RecordState.COMPLETED
+    if not lease_over:
+        return RecordState.RUNNING
+    return RecordState.EXPIRED if expired else RecordState.ABANDONED
 
 
 def state_of(record: Record, now: datetime) -> RecordState:
@@ -106,8 +122,13 @@ def judge(existing: Record | None, request_hash: str, now: datetime) -> ClaimOut
     # state_of(existing, now), read in the order state() tests it, without its two
     # calls: every replay, 409 and 422 comes here. tests/test_lifecycle.py holds the
     # two to the same answer for every combination.
-    if existing is None or existing.expires_at <= now:
-        return ClaimOutcome.CLAIMED  # an expired key behaves as new, pruned or not
+    if existing is None:
+        return ClaimOutcome.CLAIMED
+    if existing.expires_at <= now and (
+        existing.status is RecordStatus.COMPLETED or existing.locked_until <= now
+    ):
+        # An expired key behaves as new, pruned or not; a live claim is never expired.
+        return ClaimOutcome.CLAIMED
     if existing.request_hash != request_hash:
         return ClaimOutcome.MISMATCH
     if existing.status is RecordStatus.COMPLETED:
@@ -147,6 +168,10 @@ async def claim(
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
     """
+    if expires_at < locked_until:
+        # Retention never ends within the lease (the rule above); Policy already
+        # refuses lease > ttl, this holds it for any caller.
+        expires_at = locked_until
     new = NewClaim(key, request_hash, token, now, locked_until, expires_at)
     for _ in range(CLAIM_ATTEMPTS):
         existing = await store.insert(new)
@@ -186,3 +211,31 @@ def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -
     if record is None:
         return retry_after
     return min((record.locked_until - now).total_seconds(), retry_after)
+
+
+# A completion the store failed leaves the claim in progress although the handler's
+# effect happened: retries get 409 until the lease ends, and then one takes the claim
+# over and runs the handler again. So the owner tries again, in the background (the
+# client already has its answer), keeping its lease renewed meanwhile so that nobody
+# takes the claim over. A few attempts, doubling from this many seconds, all within
+# one lease of the failure: a store that stays down leaves the key as a crash would.
+COMPLETION_RETRY_FIRST = 0.1
+COMPLETION_RETRIES = 5
+
+
+def completion_retries(lease: timedelta) -> list[float]:
+    """Seconds to wait before each further attempt at a completion the store failed.
+
+    Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s), at most
+    :data:`COMPLETION_RETRIES` (5) of them, their sum less than ``lease``; empty when
+    even the first would not fit. Past the last, the owner gives up: the claim stays
+    in progress until its lease ends, as after a crash.
+    """
+    budget = lease.total_seconds()
+    delays: list[float] = []
+    delay, total = COMPLETION_RETRY_FIRST, 0.0
+    while len(delays) < COMPLETION_RETRIES and total + delay < budget:
+        delays.append(delay)
+        total += delay
+        delay *= 2
+    return delays

@@ -35,7 +35,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Coroutine
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple, TypeVar
 
 from starlette.exceptions import HTTPException
@@ -57,7 +57,13 @@ from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
 from .policy import Policy
-from .stores.base import Store, StoredResponse, StoreTransaction, TransactionalStore
+from .stores.base import (
+    RecordStatus,
+    Store,
+    StoredResponse,
+    StoreTransaction,
+    TransactionalStore,
+)
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -123,6 +129,77 @@ class Runtime:
         task = asyncio.ensure_future(make())
         self._keep(task)
         task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
+
+    def complete_later(
+        self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
+        lease: timedelta, every: float, route: str,
+    ) -> None:  # fmt: skip
+        """Try again, in the background, a completion that the store failed.
+
+        The attempts follow :func:`.lifecycle.completion_retries` (a few, with backoff,
+        within one ``lease``); meanwhile the claim's lease is renewed every ``every``
+        seconds, so that no retry takes the claim over and runs the handler again.
+        Each failure is logged (WARNING), and giving up (ERROR); the claim then stays
+        in progress until its lease ends, as it did before this was tried.
+        """
+        renewal = self.renewals.start(key, token, lease, every, route)
+        task = asyncio.ensure_future(
+            self._complete_again(key, token, stored, expires_at, lease, route)
+        )
+        self._keep(task)
+        task.add_done_callback(functools.partial(self._completed_again, renewal, token, route, key))
+
+    async def _complete_again(
+        self, key: str, token: str, stored: StoredResponse, expires_at: datetime,
+        lease: timedelta, route: str,
+    ) -> None:  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + lease.total_seconds()
+        attempts = 1  # the one that failed
+        for delay in lifecycle.completion_retries(lease):
+            if loop.time() + delay >= deadline:
+                break  # an attempt past the lease could find the claim taken over
+            await asyncio.sleep(delay)
+            attempts += 1
+            try:
+                owned = await self.store.complete(key, token, stored, expires_at=expires_at)
+            except StoreError as exc:
+                self.observer.log(
+                    logging.WARNING, "idempotency.complete_retry_failed", route, key,
+                    attempt=attempts, error=type(exc).__name__,
+                )  # fmt: skip
+                continue
+            if owned or await self._landed(key, token):
+                self.observer.log(
+                    logging.WARNING, "idempotency.complete_recovered", route, key,
+                    attempt=attempts,
+                )  # fmt: skip
+            else:
+                self.observer.log(
+                    logging.ERROR, "idempotency.claim_lost", route, key, phase="complete"
+                )
+            return
+        self.observer.log(
+            logging.ERROR, "idempotency.complete_gave_up", route, key, attempts=attempts
+        )
+
+    async def _landed(self, key: str, token: str) -> bool:
+        """Whether our claim is completed already: a failure whose write had landed (the
+        answer was lost) leaves nothing for a retry to complete, and is no lost claim."""
+        try:
+            record = await self.store.get(key)
+        except StoreError:
+            return False
+        return (
+            record is not None and record.token == token and record.status is RecordStatus.COMPLETED
+        )
+
+    def _completed_again(
+        self, renewal: Renewal, token: str, route: str, key: str, task: asyncio.Task[Any]
+    ) -> None:
+        renewal.stop(token)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.observer.store_error(route, key, "complete", exc, after="retrying")
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
@@ -428,8 +505,14 @@ class Responder:
             raise
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
-            # response; the row stays in progress until its lease ends (README: guarantees).
-            self.rt.observer.store_error(self.req.route, key, "complete", exc)
+            # response now, and the completion is tried again in the background under
+            # a renewed lease (lifecycle.completion_retries; README: guarantees).
+            route, policy = self.req.route, self.req.policy
+            self.rt.observer.store_error(route, key, "complete", exc)
+            self.rt.complete_later(
+                key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
+                route=route,
+            )  # fmt: skip
             return
         if not owned:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")

@@ -7,6 +7,7 @@ test can count handler calls and read the rows directly (the probe bypasses the 
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import UTC, datetime
 
 import pytest
@@ -76,17 +77,17 @@ async def test_outage_fails_closed_then_the_same_process_recovers(
         await close_bounded(store, pg_proxy)
 
 
-async def test_store_error_while_completing_returns_the_true_response_and_never_replays(
+async def test_store_error_while_completing_returns_the_true_response_then_completes(
     pg_url: str, pg_proxy: TcpProxy, probe: Probe
 ) -> None:
     """The handler's effect happened, then the store went away before ``complete``.
 
     What the client gets: the handler's real 201 (not a 503: the effect did happen).
-    What the row says: ``in_progress`` with no stored response, until its lease ends.
-    A retry before then: 409, never a replay of something else. After it: the claim is
-    taken over and the handler runs again (the guarantee this cannot give, stated).
+    What the row says: ``in_progress`` with no stored response while the store is down.
+    When the store is back within the lease, the responder's background retry
+    completes the record, and a retry replays the first response: the handler ran once.
     """
-    lease = 1.0
+    lease = 1.0  # retries 0.1, 0.2 and 0.4 s after the failure
     store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
 
     async def cut_after_effect() -> None:
@@ -101,6 +102,59 @@ async def test_store_error_while_completing_returns_the_true_response_and_never_
             assert first.status_code == 201
             assert "idempotent-replayed" not in first.headers
             assert first.json()["refund_id"] == t.finished[0]
+
+            rows = await probe.records()  # the probe reads Postgres directly, not via the proxy
+            assert [(r.status, r.response_status) for r in rows] == [
+                (RecordStatus.IN_PROGRESS, None)
+            ]
+            assert rows[0].locked_until > datetime.now(UTC)
+
+            pg_proxy.restore()
+
+            async def completed() -> bool:
+                return bool((await probe.records())[0].status == RecordStatus.COMPLETED)
+
+            await probe.wait_for("the background completion", completed, within=lease)
+            retry = await c.post("/refunds", json=body, headers=_key("k"))
+        assert retry.status_code == 201
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert retry.json() == first.json()
+        assert t.calls["refund"] == 1
+        rows = await probe.records()
+        assert [(r.status, r.response_status) for r in rows] == [(RecordStatus.COMPLETED, 201)]
+    finally:
+        await close_bounded(store, pg_proxy)
+
+
+async def test_store_down_past_the_completion_retries_leaves_the_key_as_a_crash_would(
+    pg_url: str, pg_proxy: TcpProxy, probe: Probe, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store stays away longer than the completion's retries (one lease).
+
+    The row stays ``in_progress`` until its lease ends. A retry before then: 409, never
+    a replay of something else. After it: the claim is taken over and the handler runs
+    again (the guarantee this cannot give, stated).
+    """
+    lease = 3.0  # retries 0.1, 0.2, 0.4 and 0.8 s after the failure, then it gives up
+    store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
+
+    async def cut_after_effect() -> None:
+        if len(t.finished) == 1:
+            pg_proxy.cut()
+
+    async def gave_up() -> bool:
+        events = [r.__dict__.get("event") for r in caplog.records]
+        return "idempotency.complete_gave_up" in events
+
+    t = refund_app(store, lease=lease, after_handler=cut_after_effect)
+    body = {"amount": 7}
+    caplog.set_level(logging.WARNING, logger="asgi_idempotency")
+    try:
+        async with asyncio.timeout(30), t.client() as c:  # bounded: a hang fails
+            first = await c.post("/refunds", json=body, headers=_key("k"))
+            assert first.status_code == 201
+            assert first.json()["refund_id"] == t.finished[0]
+            await probe.wait_for("the completion's retries to give up", gave_up, within=lease)
 
             rows = await probe.records()  # the probe reads Postgres directly, not via the proxy
             assert [(r.status, r.response_status) for r in rows] == [

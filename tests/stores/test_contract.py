@@ -291,3 +291,68 @@ async def test_replace_succeeds_on_the_row_exactly_as_read(store: Store) -> None
     now_owned = await store.get(KEY)
     assert now_owned is not None
     assert now_owned.token == taker.token
+
+
+# A handler may outlive its ttl: while its owner renews the lease, the claim is never
+# expired, to a duplicate claim or to prune, on any store.
+
+
+async def test_a_renewed_claim_outliving_its_ttl_is_never_expired(store: Store) -> None:
+    ttl, lease = timedelta(seconds=2), timedelta(seconds=1)
+    owner = tok()
+    first = await lifecycle.claim(
+        store, KEY, "h1", owner, now=T0, locked_until=T0 + lease, expires_at=T0 + ttl
+    )
+    assert first.outcome is ClaimOutcome.CLAIMED
+    # The owner renews every third of its lease, as LeaseRenewals does, until 2.4 s.
+    at = T0
+    while at < T0 + timedelta(seconds=2.4):
+        at += lease / 3
+        assert await store.renew(KEY, owner, locked_until=at + lease)
+    live_until = at + lease
+    duplicate = T0 + timedelta(seconds=2.5)  # past ttl, within the renewed lease
+    again = await claim(store, key=KEY, h="h1", now=duplicate)
+    assert again.outcome is ClaimOutcome.IN_PROGRESS
+    assert (await claim(store, key=KEY, h="h2", now=duplicate)).outcome is ClaimOutcome.MISMATCH
+    assert await store.count_expired(now=duplicate) == 0
+    assert await store.prune(now=duplicate) == 0
+    record = await store.get(KEY)
+    assert record is not None
+    assert record.token == owner
+    assert record.expires_at >= record.locked_until == live_until
+    assert lifecycle.state_of(record, duplicate) is lifecycle.RecordState.RUNNING
+    # Its owner completes it: replayed for a ttl from then.
+    assert await store.complete(KEY, owner, RESPONSE, expires_at=duplicate + ttl)
+    assert (await claim(store, key=KEY, now=duplicate + ttl / 2)).outcome is ClaimOutcome.COMPLETED
+
+
+async def test_a_claim_no_longer_renewed_expires_after_its_last_lease(store: Store) -> None:
+    ttl, lease = timedelta(seconds=2), timedelta(seconds=1)
+    owner = tok()
+    await lifecycle.claim(
+        store, KEY, "h1", owner, now=T0, locked_until=T0 + lease, expires_at=T0 + ttl
+    )
+    assert await store.renew(KEY, owner, locked_until=T0 + timedelta(seconds=2.5))
+    # A renewal moves retention forward only: a shorter lease leaves it where it is.
+    assert await store.renew(KEY, owner, locked_until=T0 + timedelta(seconds=1.5))
+    record = await store.get(KEY)
+    assert record is not None
+    assert (record.locked_until, record.expires_at) == (
+        T0 + timedelta(seconds=1.5), T0 + timedelta(seconds=2.5),
+    )  # fmt: skip
+    # The owner dies: once its retention is over, the key is new again and pruned.
+    gone = T0 + timedelta(seconds=2.5)
+    assert await store.prune(now=gone - timedelta(milliseconds=1)) == 0
+    assert (await claim(store, key=KEY, h="h2", now=gone)).outcome is ClaimOutcome.CLAIMED
+
+
+async def test_a_claim_is_never_written_to_expire_within_its_lease(store: Store) -> None:
+    # Policy refuses lease > ttl; the lifecycle holds the rule for any caller.
+    await lifecycle.claim(
+        store, KEY, "h1", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + LEASE / 2
+    )
+    record = await store.get(KEY)
+    assert record is not None
+    assert record.expires_at == record.locked_until == T0 + LEASE
+    assert await store.prune(now=T0 + LEASE * 3 / 4) == 0
+    assert (await claim(store, key=KEY, now=T0 + LEASE * 3 / 4)).outcome is ClaimOutcome.IN_PROGRESS

@@ -142,7 +142,13 @@ class Store(Protocol):
         ...
 
     async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
-        """Extend a live claim's lease, if ``token`` still owns it."""
+        """Extend a live claim's lease, if ``token`` still owns it.
+
+        Also moves the row's ``expires_at`` to at least ``locked_until`` (never back),
+        so that a handler outliving its ``ttl`` keeps its claim: an in-progress row
+        whose lease is live is then never expired, neither to a claim nor to ``prune``
+        (nor to a store's own expiry, such as a Redis key's TTL).
+        """
         ...
 
     async def get(self, key: str) -> Record | None:

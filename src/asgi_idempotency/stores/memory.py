@@ -85,7 +85,9 @@ class MemoryStore:
         row = self._owned(key, token)
         if row is None:
             return False
-        self._rows[key] = (row[0], row[1], row[2], row[3], locked_until, row[5], row[6])
+        # Retention never ends before the lease: a live claim is never expired.
+        expires_at = max(row[5], locked_until)
+        self._rows[key] = (row[0], row[1], row[2], row[3], locked_until, expires_at, row[6])
         return True
 
     async def get(self, key: str) -> Record | None:

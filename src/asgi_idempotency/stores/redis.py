@@ -13,7 +13,8 @@ insert      absent: write the claim, ``PEXPIRE`` its ttl; present: return it
 replace     compare-and-swap on the row as read (token, status, lease)
 complete    token owns an in-progress row: store the response, new ``PEXPIRE``
 release     token owns an in-progress row: ``DEL``
-renew       token owns an in-progress row: move ``locked_until``
+renew       token owns an in-progress row: move ``locked_until`` (and
+            ``expires_at`` and the TTL, to at least ``locked_until``)
 ==========  ===============================================================
 
 Fields (``HGETALL idem:{…}`` in ``redis-cli``): ``h`` request hash, ``s`` status,
@@ -192,11 +193,22 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
-# KEYS[1]; ARGV token, locked_until.
+# KEYS[1]; ARGV token, locked_until. Retention never ends before the lease
+# (Store.renew): past expires_at, the field moves to locked_until and the key's TTL
+# to at least locked_until - created_at (in the caller's clock, as for a completion,
+# so it can only be longer than needed), or Redis would delete a live claim.
 _RENEW = """
-local row = redis.call('HMGET', KEYS[1], 't', 's')
+local row = redis.call('HMGET', KEYS[1], 't', 's', 'c', 'e')
 if row[1] ~= ARGV[1] or row[2] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 'l', ARGV[2])
+if tonumber(ARGV[2]) > tonumber(row[4]) then
+  redis.call('HSET', KEYS[1], 'l', ARGV[2], 'e', ARGV[2])
+  local ttl = math.ceil((tonumber(ARGV[2]) - tonumber(row[3])) / 1000)
+  if ttl > redis.call('PTTL', KEYS[1]) then
+    redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
+  end
+else
+  redis.call('HSET', KEYS[1], 'l', ARGV[2])
+end
 return 1
 """
 

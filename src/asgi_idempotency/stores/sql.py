@@ -47,7 +47,7 @@ from .postgres import PostgresDriver, PostgresTransaction, open_transaction
 from .postgres_batched import BatchingPostgresDriver
 from .schema import MYSQL_DIALECTS, records
 from .sqlerrors import DRIVER_ERRORS, translate
-from .sqlite import set_pragmas, sqlite_driver
+from .sqlite import pragmas, sqlite_driver
 from .statements import (
     as_time,
     buckets_query,
@@ -508,7 +508,7 @@ def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEn
         kwargs = {"connect_args": {"timeout": command_timeout}}
     engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
-        event.listen(engine.sync_engine, "connect", set_pragmas)
+        event.listen(engine.sync_engine, "connect", pragmas(command_timeout))
     elif engine.dialect.name in MYSQL_DIALECTS:
         install_session_limits(engine, command_timeout)
     return engine

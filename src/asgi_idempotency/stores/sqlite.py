@@ -40,7 +40,7 @@ __all__ = [
     "ConnectionThread",
     "EngineSQLiteDriver",
     "SQLiteDriver",
-    "set_pragmas",
+    "pragmas",
     "sqlite_driver",
 ]
 
@@ -288,7 +288,7 @@ class SQLiteDriver:
     Args:
         engine: the store's engine; its URL says which database file to open.
         timeout: seconds a statement waits for the database lock before failing
-            (sqlite3's ``timeout``; :func:`set_pragmas` then sets ``busy_timeout``).
+            (sqlite3's ``timeout``, and ``busy_timeout`` through :func:`pragmas`).
         batch: run operations queued together in one transaction.
     """
 
@@ -301,6 +301,7 @@ class SQLiteDriver:
             "isolation_level": None,  # autocommit: sqlite3 opens no transaction of its own
             "check_same_thread": True,  # the connection never leaves its thread
         }
+        self._timeout = timeout
         self._batch = batch
         self._thread: ConnectionThread | None = None
         self._lock = asyncio.Lock()
@@ -308,7 +309,7 @@ class SQLiteDriver:
     def _open(self) -> sqlite3.Connection:
         conn: sqlite3.Connection = sqlite3.connect(self._database, **self._kwargs)
         try:
-            set_pragmas(conn, None)
+            pragmas(self._timeout)(conn, None)
         except BaseException:
             conn.close()
             raise
@@ -405,11 +406,24 @@ def sqlite_driver(
     return SQLiteDriver(engine, timeout=timeout, batch=BATCH if batch is None else batch)
 
 
-def set_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    # WAL lets readers run beside the one writer; busy_timeout makes concurrent
-    # workers wait for the write lock instead of failing with "database is locked".
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=10000")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
+def pragmas(timeout: float) -> Callable[[Any, Any], None]:
+    """The connect hook (SQLAlchemy's ``connect`` event) that sets up each connection.
+
+    Args:
+        timeout: seconds a statement waits for the write lock (``busy_timeout``):
+            the store's ``command_timeout``, so that a locked database answers 503
+            after the time the user configured.
+    """
+    busy_ms = max(1, round(timeout * 1000))
+
+    def set_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        # WAL lets readers run beside the one writer; busy_timeout makes concurrent
+        # workers wait for the write lock instead of failing with "database is locked".
+        # It replaces the handler sqlite3's own ``timeout`` set, so it is the one wait.
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return set_pragmas

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Select,
     String,
     bindparam,
+    case,
     delete,
     exists,
     func,
@@ -168,7 +169,17 @@ _COMPLETE = (
     )
 )
 _RELEASE = delete(_t).where(_OWNED)
-_RENEW = update(_t).where(_OWNED).values(locked_until=bindparam("locked_until", type_=_TIME))
+_LOCKED_UNTIL = bindparam("locked_until", type_=_TIME)
+# A renewal moves retention to at least the new lease (Store.renew): a live claim is
+# never expired, so prune's and the claim's plain `expires_at <= now` stay right.
+_RENEW = (
+    update(_t)
+    .where(_OWNED)
+    .values(
+        locked_until=_LOCKED_UNTIL,
+        expires_at=case((_t.c.expires_at < _LOCKED_UNTIL, _LOCKED_UNTIL), else_=_t.c.expires_at),
+    )
+)
 # Compare-and-swap on the row exactly as it was read: a renewal, a completion or
 # another take-over in between changes one of these, and the swap fails.
 _REPLACE = (
@@ -423,7 +434,10 @@ _RELEASE_MANY = delete(_t).where(_owned_by(_u_release)).returning(_t.c.key, _t.c
 _RENEW_MANY = (
     update(_t)
     .where(_owned_by(_u_renew))
-    .values(locked_until=_u_renew.c.locked_until)
+    .values(
+        locked_until=_u_renew.c.locked_until,
+        expires_at=func.greatest(_t.c.expires_at, _u_renew.c.locked_until),  # as _RENEW
+    )
     .returning(_t.c.key, _t.c.token)
 )
 
