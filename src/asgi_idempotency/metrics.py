@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = ["FanOutMetrics", "InMemoryMetrics", "MetricsSink", "MetricsSnapshot", "Outcome"]
@@ -58,6 +58,8 @@ class MetricsSnapshot:
     """Counts by ``(route template, outcome)`` at one moment; rates are computed from them."""
 
     counts: dict[tuple[str, Outcome], int]
+    # Requests the regenerated-key detector flagged, by route (empty when it is off).
+    suspected_regenerated_keys: dict[str, int] = field(default_factory=dict)
 
     def total(self, outcome: Outcome | None = None, route: str | None = None) -> int:
         return sum(
@@ -92,6 +94,7 @@ class InMemoryMetrics:
         self._local = threading.local()
         self._shards: list[dict[tuple[str, Outcome], int]] = []
         self._shards_lock = threading.Lock()  # taken once per thread, and by snapshot
+        self._regenerated: Counter[str] = Counter()  # rare, and counted under the lock
 
     def observe(self, route: str, outcome: Outcome) -> None:
         try:
@@ -101,6 +104,11 @@ class InMemoryMetrics:
         # No lost updates: this thread is the only writer of its shard.
         key = (route, outcome)
         shard[key] = shard.get(key, 0) + 1
+
+    def observe_regenerated_key(self, route: str) -> None:
+        """One request the regenerated-key detector flagged on ``route``."""
+        with self._shards_lock:
+            self._regenerated[route] += 1
 
     def _new_shard(self) -> dict[tuple[str, Outcome], int]:
         shard: dict[tuple[str, Outcome], int] = {}
@@ -112,12 +120,13 @@ class InMemoryMetrics:
     def snapshot(self) -> MetricsSnapshot:
         with self._shards_lock:
             shards = list(self._shards)
+            regenerated = dict(self._regenerated)
         totals: Counter[tuple[str, Outcome]] = Counter()
         for shard in shards:
             # dict.copy is one call that another thread's write cannot split: a
             # consistent reading, at most one observation behind.
             totals.update(shard.copy())
-        return MetricsSnapshot(dict(totals))
+        return MetricsSnapshot(dict(totals), regenerated)
 
 
 class FanOutMetrics:

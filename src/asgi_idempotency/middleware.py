@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
@@ -35,6 +35,7 @@ from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
+from .regenerated import RegeneratedKeys
 from .request import guard_headers, host_name, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import Store, TransactionalStore, utcnow
@@ -94,6 +95,11 @@ class IdempotencyMiddleware:
         prune_interval: when set, delete expired records every this many seconds
             in the background while the app's lifespan runs (default: off; prune
             from cron with ``asgi-idempotency prune`` instead).
+        detect_regenerated_keys: a window (e.g. ``timedelta(seconds=60)``) within which
+            the same caller sending the same request under a different key is counted
+            (``suspected_regenerated_keys``) and logged with both key digests: the
+            signature of a client minting keys inside its retry loop. Off by default;
+            in process, no store access (:mod:`.regenerated`).
         mode: ``"report"`` puts every guarded route in report-only mode (see
             :class:`Policy`'s ``mode``): records are kept as usual, but every request
             runs and gets the app's own answer; what the guard would have answered
@@ -116,6 +122,7 @@ class IdempotencyMiddleware:
         retry_after: float = 1.0,
         prune_interval: float | None = None,
         mode: Literal["enforce", "report"] = "enforce",
+        detect_regenerated_keys: timedelta | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -144,6 +151,8 @@ class IdempotencyMiddleware:
         )  # fmt: skip
         self.check_policies()
         self._readiness = Readiness(store, self._observer, retry_after)
+        if detect_regenerated_keys is not None:
+            self._runtime.regenerated = RegeneratedKeys(detect_regenerated_keys)
         # The checks against the app (appcheck.py) and, for from_dependency, the claim
         # added to FastAPI routes: at lifespan startup, else before the first request.
         self._started = False

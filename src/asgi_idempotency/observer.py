@@ -98,6 +98,17 @@ class Observer:
             **fields,
         )
 
+    def regenerated_key(self, route: str, key: str, other: str) -> None:
+        """The same caller sent the same request under ``key`` and, just before, ``other``."""
+        self.counts.observe_regenerated_key(route)
+        observe = getattr(self.sink, "observe_regenerated_key", None)
+        if observe is not None:
+            observe(route)
+        self.log(
+            logging.WARNING, "idempotency.regenerated_key", route, key,
+            other_key_digest=other[:16],
+        )  # fmt: skip
+
     def report(self, route: str, key: str, status: int, **fields: Any) -> None:
         """Report-only mode: the answer the guard would have given (``status``), at INFO."""
         self.log(logging.INFO, "idempotency.report", route, key, would_answer=status, **fields)

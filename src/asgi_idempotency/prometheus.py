@@ -55,6 +55,11 @@ _counters: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter]] = (
 _counters_lock = threading.Lock()
 
 
+_named: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _requests_counter(registry: CollectorRegistry, prefix: str) -> Counter:
     with _counters_lock:
         by_prefix = _counters.setdefault(registry, {})
@@ -69,6 +74,16 @@ def _requests_counter(registry: CollectorRegistry, prefix: str) -> Counter:
             )
             by_prefix[prefix] = counter
         return counter
+
+
+def _counter(registry: CollectorRegistry, name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+    """One counter per registry and name, shared by every instance that asks for it."""
+    by_name = _named.setdefault(registry, {})
+    counter = by_name.get(name)
+    if counter is None:
+        counter = Counter(name, doc, labels, registry=registry)
+        by_name[name] = counter
+    return counter
 
 
 class PrometheusMetrics:
@@ -98,13 +113,27 @@ class PrometheusMetrics:
         routes: Iterable[str] = (),
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
+        self.prefix = prefix
         self.requests = _requests_counter(self.registry, prefix)
+        self.regenerated: Counter | None = None
         for route in routes:
             for outcome in Outcome:
                 self.requests.labels(route=route, outcome=outcome.value)
 
     def observe(self, route: str, outcome: Outcome) -> None:
         self.requests.labels(route=route, outcome=outcome.value).inc()
+
+    def observe_regenerated_key(self, route: str) -> None:
+        """A request the regenerated-key detector flagged (created on first use)."""
+        if self.regenerated is None:
+            self.regenerated = _counter(
+                self.registry,
+                f"{self.prefix}_suspected_regenerated_keys",
+                "Requests that repeated a recent request of the same caller under a new "
+                "Idempotency-Key: a client minting keys inside its retry loop.",
+                ("route",),
+            )
+        self.regenerated.labels(route=route).inc()
 
     async def endpoint(self, request: Request) -> Response:
         """A Starlette/FastAPI endpoint serving this registry's exposition text.

@@ -57,6 +57,7 @@ from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
 from .policy import Policy
+from .regenerated import RegeneratedKeys
 from .stores.base import (
     RecordStatus,
     Store,
@@ -96,8 +97,8 @@ class GuardedRequest(NamedTuple):
 class Runtime:
     """What every request of one middleware shares: the app, the store and the settings."""
 
-    __slots__ = ("app", "background", "clock", "fail_open", "observer", "renewals", "retry_after",
-                 "store")  # fmt: skip
+    __slots__ = ("app", "background", "clock", "fail_open", "observer", "regenerated", "renewals",
+                 "retry_after", "store")  # fmt: skip
 
     def __init__(
         self,
@@ -114,6 +115,8 @@ class Runtime:
         # Completions, releases and transaction closes that outlive a cancelled request.
         self.background: set[asyncio.Task[Any]] = set()
         self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
+        # The opt-in regenerated-key detector (regenerated.py); None costs one check.
+        self.regenerated: RegeneratedKeys | None = None
 
     def rerun(
         self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
@@ -342,6 +345,10 @@ class Responder:
         token = os.urandom(16).hex()  # the fencing token: 128 random bits
         if tracing.ENABLED:
             tracing.annotate(key_digest=req.key[:16], mode=policy.mode)
+        if rt.regenerated is not None:
+            other = rt.regenerated.check(f"{req.host}\x00{req.principal}", req.fingerprint, req.key)
+            if other is not None:
+                rt.observer.regenerated_key(req.route, req.key, other)
         try:
             with tracing.store_span("claim"):
                 claim = await lifecycle.claim(
