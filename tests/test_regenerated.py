@@ -95,3 +95,14 @@ def test_the_window_is_a_positive_timedelta() -> None:
 
     with pytest.raises(ValueError, match="window"):
         RegeneratedKeys(timedelta(0))
+
+
+async def test_store_latency_and_takeovers_reach_prometheus() -> None:
+    registry = CollectorRegistry()
+    app = _app(metrics=PrometheusMetrics(registry))
+    await _attempts(app, ["k-1", "k-1"])  # a claim and a completion, then a replay's claim
+    labels = {"operation": "claim", "store": "MemoryStore"}
+    assert registry.get_sample_value("idempotency_store_seconds_count", labels) == 2
+    completes = {"operation": "complete", "store": "MemoryStore"}
+    assert registry.get_sample_value("idempotency_store_seconds_count", completes) == 1
+    assert registry.get_sample_value("idempotency_takeovers_total", {"route": "/refunds"}) is None

@@ -144,7 +144,9 @@ class IdempotencyMiddleware:
             raise ValueError(f"mode must be 'enforce' or 'report', not {mode!r}")
         self.mode = mode
         self._resolve = RouteResolver(self._decide)
-        self._observer = Observer(metrics)
+        label = type(store).__name__
+        dialect = getattr(store, "dialect", None)
+        self._observer = Observer(metrics, f"{label}/{dialect}" if dialect else label)
         self._runtime = Runtime(
             app, store, clock=clock, fail_open=fail_open, retry_after=retry_after,
             observer=self._observer,

@@ -11,6 +11,8 @@ bodies and stored responses never appear.
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import AbstractContextManager
 from typing import Any
 
 from . import tracing
@@ -55,15 +57,52 @@ def _line(event: str, fields: dict[str, Any], hint: str = "") -> str:
     return " ".join(text.split()) if "\n" in text or "\r" in text else text
 
 
+class _Timed:
+    """A store call timed for the sink's latency histogram (and traced if a span records)."""
+
+    __slots__ = ("observer", "operation", "span", "started")
+
+    def __init__(self, observer: Observer, operation: str, span: AbstractContextManager[Any]):
+        self.observer, self.operation, self.span = observer, operation, span
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.span.__enter__()
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.span.__exit__(*exc)  # type: ignore[arg-type]
+        self.observer.store_time(self.operation, elapsed)
+
+
 class Observer:
     """Counts and logs for one middleware; shared by all of its requests."""
 
-    __slots__ = ("_not_ready_said", "counts", "sink")
+    __slots__ = ("_not_ready_said", "counts", "sink", "store_label", "timing")
 
-    def __init__(self, sink: MetricsSink | None) -> None:
+    def __init__(self, sink: MetricsSink | None, store_label: str = "") -> None:
         self.counts = InMemoryMetrics()
         self.sink = sink
+        self.store_label = store_label
+        # Store latency is measured only for a sink that takes it (observe_store).
+        self.timing = callable(getattr(sink, "observe_store", None))
         self._not_ready_said: tuple[str, float] | None = None  # (message, monotonic time)
+
+    def store_call(self, operation: str) -> AbstractContextManager[Any]:
+        """Around one store operation: a trace span if one records, a timing if the sink
+        takes store latencies; else a shared context that does nothing."""
+        span = tracing.store_span(operation)
+        return _Timed(self, operation, span) if self.timing else span
+
+    def store_time(self, operation: str, seconds: float) -> None:
+        self.sink.observe_store(operation, self.store_label, seconds)  # type: ignore[union-attr]
+
+    def takeover(self, route: str) -> None:
+        """A retry took over an abandoned claim (its holder's lease ran out)."""
+        observe = getattr(self.sink, "observe_takeover", None)
+        if observe is not None:
+            observe(route)
 
     def outcome(self, route: str, outcome: Outcome) -> None:
         self.counts.observe(route, outcome)

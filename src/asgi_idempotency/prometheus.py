@@ -36,6 +36,7 @@ try:
         REGISTRY,
         CollectorRegistry,
         Counter,
+        Histogram,
         generate_latest,
         make_asgi_app,
     )
@@ -86,6 +87,24 @@ def _counter(registry: CollectorRegistry, name: str, doc: str, labels: tuple[str
     return counter
 
 
+_histograms: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Histogram]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _histogram(
+    registry: CollectorRegistry, name: str, doc: str, labels: tuple[str, ...]
+) -> Histogram:
+    by_name = _histograms.setdefault(registry, {})
+    found = by_name.get(name)
+    if found is None:
+        # Store calls take milliseconds: buckets from 0.5 ms up to the default timeout.
+        buckets = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+        found = Histogram(name, doc, labels, registry=registry, buckets=buckets)
+        by_name[name] = found
+    return found
+
+
 class PrometheusMetrics:
     """A :class:`~asgi_idempotency.metrics.MetricsSink` that counts into a Prometheus registry.
 
@@ -116,12 +135,32 @@ class PrometheusMetrics:
         self.prefix = prefix
         self.requests = _requests_counter(self.registry, prefix)
         self.regenerated: Counter | None = None
+        self.store_seconds = _histogram(
+            self.registry,
+            f"{prefix}_store_seconds",
+            "Time one store operation took, by operation (claim, complete, release) and store.",
+            ("operation", "store"),
+        )
+        self.takeovers = _counter(
+            self.registry,
+            f"{prefix}_takeovers",
+            "Abandoned claims a retry took over after the holder's lease ran out, by route.",
+            ("route",),
+        )
         for route in routes:
             for outcome in Outcome:
                 self.requests.labels(route=route, outcome=outcome.value)
 
     def observe(self, route: str, outcome: Outcome) -> None:
         self.requests.labels(route=route, outcome=outcome.value).inc()
+
+    def observe_store(self, operation: str, store: str, seconds: float) -> None:
+        """How long one store operation took (claim, complete, release)."""
+        self.store_seconds.labels(operation=operation, store=store).observe(seconds)
+
+    def observe_takeover(self, route: str) -> None:
+        """A retry took over an abandoned claim."""
+        self.takeovers.labels(route=route).inc()
 
     def observe_regenerated_key(self, route: str) -> None:
         """A request the regenerated-key detector flagged (created on first use)."""

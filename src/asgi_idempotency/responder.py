@@ -350,7 +350,7 @@ class Responder:
             if other is not None:
                 rt.observer.regenerated_key(req.route, req.key, other)
         try:
-            with tracing.store_span("claim"):
+            with self.rt.observer.store_call("claim"):
                 claim = await lifecycle.claim(
                     claimant,
                     req.key,
@@ -374,6 +374,7 @@ class Responder:
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
             tracing.annotate(taken_over=True)
+            rt.observer.takeover(req.route)
         self.token, self.state = token, _State.OWNED
         if self.tx is None:
             self.renewal = rt.renewals.start(
@@ -502,7 +503,7 @@ class Responder:
     async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            with tracing.store_span("complete"):
+            with self.rt.observer.store_call("complete"):
                 owned = await store.complete(key, token, stored, expires_at=expires_at)
         except asyncio.CancelledError:
             # A partial, built only now: a lambda would give this function cells
@@ -551,7 +552,7 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            with tracing.store_span("release"):
+            with self.rt.observer.store_call("release"):
                 await store.release(key, token)
         except asyncio.CancelledError:
             again = functools.partial(store.release, key, token)
