@@ -1,7 +1,7 @@
 """The Postgres hot path's own connection keeping: bounded, fair, leak-free, and shared.
 
 These are the one-statement-per-request driver's (``batching=False``, whatever
-``IDEMPOTENCY_PG_BATCHING`` says); the batched driver runs on top of it.
+the ``batching`` argument says); the batched driver runs on top of it.
 """
 
 from __future__ import annotations

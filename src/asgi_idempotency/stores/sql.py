@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
@@ -114,8 +113,8 @@ class SQLStore:
         batching: on Postgres, send the claims, completions, releases and renewals
             that queue while a statement of their kind is in flight as one statement
             (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
-            ``None`` (the default) reads ``IDEMPOTENCY_PG_BATCHING`` (``1`` on, else
-            off). Ignored on SQLite and MariaDB/MySQL.
+            Off by default; the argument alone decides (the library reads no
+            environment variable). Ignored on SQLite and MariaDB/MySQL.
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine: on a new loop the store opens a new pool and hot-path connections, and
@@ -129,7 +128,7 @@ class SQLStore:
         *,
         command_timeout: float = 5.0,
         pool_size: int = 10,
-        batching: bool | None = None,
+        batching: bool = False,
     ) -> None:
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
@@ -153,8 +152,6 @@ class SQLStore:
                 f"SQLStore needs {self.dialect}+asyncmy, not {engine.dialect.driver}"
             )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        if batching is None:
-            batching = os.environ.get("IDEMPOTENCY_PG_BATCHING", "") == "1"
         self.batching = batching and self.dialect == "postgresql"
         self._command_timeout = command_timeout
         self._driver = self._new_driver()
