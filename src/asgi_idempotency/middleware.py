@@ -346,7 +346,9 @@ class IdempotencyMiddleware:
             await self._refusal.send(send)
             return None
         try:
-            raw_key, content_type, declared_length, host = guard_headers(scope["headers"])
+            raw_key, content_type, declared_length, host, credential = guard_headers(
+                scope["headers"]
+            )
             if raw_key is None and policy.key_from is None:
                 if policy.required:
                     raise MissingKey(_MISSING_KEY_DETAIL)
@@ -363,7 +365,10 @@ class IdempotencyMiddleware:
                 assert raw_key is not None
                 client_key = parse_key(raw_key)
                 who = self.principal
-                principal = None if isinstance(who, DependencyPrincipal) else who(scope)
+                if who is AUTO:
+                    principal = AUTO.of(scope, credential)
+                else:
+                    principal = None if isinstance(who, DependencyPrincipal) else who(scope)
                 if type(principal) is not str and inspect.isawaitable(principal):
                     principal = await principal
                 if principal is None and self._claim_endpoints is None:

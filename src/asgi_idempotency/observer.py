@@ -89,11 +89,11 @@ class Observer:
         self.timing = callable(getattr(sink, "observe_store", None))
         self._not_ready_said: tuple[str, float] | None = None  # (message, monotonic time)
 
-    def store_call(self, operation: str) -> AbstractContextManager[Any]:
-        """Around one store operation: a trace span if one records, a timing if the sink
-        takes store latencies; else a shared context that does nothing."""
-        span = tracing.store_span(operation)
-        return _Timed(self, operation, span) if self.timing else span
+    def store_call(self, operation: str, span: Any) -> AbstractContextManager[Any]:
+        """Around one store operation: a child of ``span`` (the request's recording span,
+        or ``None``), timed if the sink takes store latencies; else a shared no-op."""
+        inner = tracing.store_span(operation, span)
+        return _Timed(self, operation, inner) if self.timing else inner
 
     def store_time(self, operation: str, seconds: float) -> None:
         self.sink.observe_store(operation, self.store_label, seconds)  # type: ignore[union-attr]

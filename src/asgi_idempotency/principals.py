@@ -323,16 +323,25 @@ class _Auto:
     __slots__ = ()
 
     def __call__(self, scope: Scope) -> str | None:
+        credential = None
+        for name, _ in scope["headers"]:
+            if name.lower() in CREDENTIAL_HEADERS:
+                credential = name.lower()
+                break
+        return self.of(scope, credential)
+
+    def of(self, scope: Scope, credential: bytes | None) -> str:
+        """The principal, given the name of a credential header the request carries (the
+        middleware finds it in the pass it makes over the headers anyway)."""
         user = scope.get("user")
         if user is not None and getattr(user, "is_authenticated", False):
             return identity_of(user, "scope['user']")
-        for name, _ in scope["headers"]:
-            if name.lower() in CREDENTIAL_HEADERS:
-                raise PrincipalMisconfigured(
-                    f"This request carries a {name.decode('latin-1')} header, so it comes "
-                    "from a particular caller, but the guard was not told how to tell "
-                    f"callers apart. Pass {_HELPERS}."
-                )
+        if credential is not None:
+            raise PrincipalMisconfigured(
+                f"This request carries a {credential.decode('latin-1')} header, so it comes "
+                "from a particular caller, but the guard was not told how to tell "
+                f"callers apart. Pass {_HELPERS}."
+            )
         return ""
 
     def __repr__(self) -> str:

@@ -9,20 +9,22 @@ from __future__ import annotations
 from .asgi import Headers, Message, Receive
 from .errors import BodyTooLarge, InvalidKey
 from .keys import HEADER
+from .principals import CREDENTIAL_HEADERS
 
 __all__ = ["guard_headers", "host_name", "read_body", "replay_body"]
 
 
 def guard_headers(
     headers: Headers,
-) -> tuple[bytes | None, bytes | None, bytes | None, bytes]:
+) -> tuple[bytes | None, bytes | None, bytes | None, bytes, bytes | None]:
     """The raw ``Idempotency-Key``, ``Content-Type``, ``Content-Length`` and ``Host``
-    (``b""`` if absent), in one pass.
+    (``b""`` if absent), and the name of a header that carries credentials (or
+    ``None``: see :data:`~.principals.CREDENTIAL_HEADERS`), in one pass.
 
     Raises:
         InvalidKey: the key header was sent more than once (which key was meant is unknowable).
     """
-    key = content_type = content_length = None
+    key = content_type = content_length = credential = None
     host = b""
     for name, value in headers:
         name = name.lower()
@@ -39,7 +41,15 @@ def guard_headers(
             content_length = value
         elif name == b"host":
             host = value
-    return key, content_type, content_length, host
+        elif name in CREDENTIAL_HEADERS:
+            credential = name
+    return key, content_type, content_length, host, credential
+
+
+# Host headers seen, and their names: a service answers under few names, and each
+# request would otherwise decode, strip and split its own.
+_HOSTS: dict[bytes, str] = {}
+_HOSTS_MAX = 1024  # then it starts over: the header is the client's to vary
 
 
 def host_name(host: bytes) -> str:
@@ -49,6 +59,16 @@ def host_name(host: bytes) -> str:
     listener took the request, and two workers or replicas behind one name may differ
     in it.
     """
+    known = _HOSTS.get(host)
+    if known is not None:
+        return known
+    if len(_HOSTS) >= _HOSTS_MAX:
+        _HOSTS.clear()
+    _HOSTS[host] = name = _host_name(host)
+    return name
+
+
+def _host_name(host: bytes) -> str:
     name = host.decode("latin-1").strip().lower()
     if name.startswith("["):  # an IPv6 literal: [::1]:8000
         end = name.find("]")

@@ -245,7 +245,7 @@ class _State(enum.Enum):
 class Responder:
     """The state of one guarded request."""
 
-    __slots__ = ("chunks", "kept", "receive", "renewal", "req", "rt", "scope", "send",
+    __slots__ = ("chunks", "kept", "receive", "renewal", "req", "rt", "scope", "send", "span",
                  "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
 
     def __init__(
@@ -262,6 +262,7 @@ class Responder:
         self.kept = 0  # bytes of a streamed response kept so far
         self.streaming = False
         self.unread = True  # the buffered request body is still to be given to the app
+        self.span: Any = None  # the request's recording trace span, if any
 
     async def run(self) -> None:
         """Claim (unless it waits for FastAPI), run the app, answer; the whole request."""
@@ -343,14 +344,15 @@ class Responder:
         policy = req.policy
         now = rt.clock()
         token = os.urandom(16).hex()  # the fencing token: 128 random bits
-        if tracing.ENABLED:
-            tracing.annotate(key_digest=req.key[:16], mode=policy.mode)
+        span = self.span = tracing.recording() if tracing.ENABLED else None
+        if span is not None:
+            tracing.annotate(span, key_digest=req.key[:16], mode=policy.mode)
         if rt.regenerated is not None:
             other = rt.regenerated.check(f"{req.host}\x00{req.principal}", req.fingerprint, req.key)
             if other is not None:
                 rt.observer.regenerated_key(req.route, req.key, other)
         try:
-            with self.rt.observer.store_call("claim"):
+            with self.rt.observer.store_call("claim", self.span):
                 claim = await lifecycle.claim(
                     claimant,
                     req.key,
@@ -373,7 +375,8 @@ class Responder:
             return False
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
-            tracing.annotate(taken_over=True)
+            if span is not None:
+                tracing.annotate(span, taken_over=True)
             rt.observer.takeover(req.route)
         self.token, self.state = token, _State.OWNED
         if self.tx is None:
@@ -503,7 +506,7 @@ class Responder:
     async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            with self.rt.observer.store_call("complete"):
+            with self.rt.observer.store_call("complete", self.span):
                 owned = await store.complete(key, token, stored, expires_at=expires_at)
         except asyncio.CancelledError:
             # A partial, built only now: a lambda would give this function cells
@@ -552,7 +555,7 @@ class Responder:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key, token = self.rt.store, self.req.key, self.token
         try:
-            with self.rt.observer.store_call("release"):
+            with self.rt.observer.store_call("release", self.span):
                 await store.release(key, token)
         except asyncio.CancelledError:
             again = functools.partial(store.release, key, token)

@@ -24,7 +24,7 @@ try:
 except ImportError:  # the otel extra is optional
     trace = None  # type: ignore[assignment]
 
-__all__ = ["ENABLED", "annotate", "store_span"]
+__all__ = ["ENABLED", "annotate", "recording", "store_span"]
 
 ENABLED = trace is not None
 _NOTHING: AbstractContextManager[Any] = nullcontext()
@@ -39,19 +39,29 @@ def _span() -> Any:
     return span if span.is_recording() else None
 
 
-def annotate(**attributes: str | bool) -> None:
-    """Set ``idempotency.<name>`` attributes on the current span (``route`` as ``http.route``)."""
-    span = _span()
+def recording() -> Any:
+    """The current span if one records, else ``None``: looked up once per request."""
+    return _span()
+
+
+def annotate(span: Any = None, /, **attributes: str | bool) -> None:
+    """Set ``idempotency.<name>`` attributes (``route`` as ``http.route``) on ``span``, or
+    on the current span if it records."""
     if span is None:
-        return
+        span = _span()
+        if span is None:
+            return
     for name, value in attributes.items():
         span.set_attribute("http.route" if name == "route" else f"idempotency.{name}", value)
 
 
-def store_span(operation: str) -> AbstractContextManager[Any]:
-    """A child span around one store operation, or a context that does nothing."""
+def store_span(operation: str, parent: Any = None) -> AbstractContextManager[Any]:
+    """A child span around one store operation, or a context that does nothing.
+
+    ``parent`` is the request's recording span (:func:`recording`); ``None`` means none
+    records, and nothing is looked up."""
     global _tracer
-    if _span() is None:
+    if parent is None:
         return _NOTHING
     assert trace is not None
     if _tracer is None:
