@@ -195,9 +195,11 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
 ) -> None:
     """redis-py resends a command after a dropped connection; the first may have landed.
 
-    The scripts recognise their own token (unique to one claim), so a resent claim is
-    still the caller's claim, not a 409 against itself, and a resent swap or completion
-    still succeeded.
+    The claim scripts recognise their own token (unique to one claim), so a resent
+    claim is still the caller's claim, not a 409 against itself, and a resent swap
+    still succeeded. A completion answers as every store does: only an in-progress row
+    completes, so a second completion answers False (the contract's
+    test_completing_a_completed_row_answers_false_and_changes_nothing).
     """
     now = datetime.now(UTC)
     lease, ttl = timedelta(seconds=30), timedelta(hours=1)
@@ -211,7 +213,7 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
     assert await rstore.replace(current, taker)
     assert await rstore.replace(current, taker)  # the resend
     assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
-    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    assert not await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
     # A stranger's token still gets nothing, whatever the state.
     assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, later, later + ttl))
     assert not await rstore.complete("d" * 64, "t1", RESPONSE, expires_at=later + ttl)
