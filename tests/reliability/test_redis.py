@@ -363,7 +363,7 @@ async def test_a_cluster_primary_killed_mid_load_fails_over_with_503s_and_never_
     """A primary is SIGKILLed mid-load; its replica takes over after the node timeout
     (1 s) and an election. ``wait_replicas=1``: every claim and completion the client
     saw was on the replica before it was acknowledged, so none is lost."""
-    store = RedisStore(own_cluster.url, command_timeout=1, wait_replicas=1, wait_timeout=1)
+    store = RedisStore(own_cluster.url, command_timeout=1, wait_replicas=1, wait_timeout=0.5)
     t = refund_app(store)
     try:
         async with asyncio.timeout(120), t.client() as c:

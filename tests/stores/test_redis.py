@@ -337,7 +337,7 @@ async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
     await _wait_linked(replica)
     now = datetime.now(UTC)
     later = now + timedelta(hours=1)
-    store = RedisStore(primary.url, wait_replicas=1, wait_timeout=5)
+    store = RedisStore(primary.url, command_timeout=10, wait_replicas=1, wait_timeout=5)
     lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
     name = "idem:{" + "a" * 64 + "}"
     try:
@@ -381,6 +381,25 @@ def test_urls_name_one_server_or_a_cluster() -> None:
     assert isinstance(RedisStore("redis+cluster://127.0.0.1:1").client, RedisCluster)
     with pytest.raises(ValueError, match=r"redis\+cluster://host:port"):
         RedisStore("http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    ("command_timeout", "wait_timeout"),
+    [(1.0, 1.0), (1.0, 2.0), (0.5, 5.0), (5.0, 0.0), (5.0, -1.0)],
+)
+def test_wait_timeout_must_be_positive_and_shorter_than_the_command_timeout(
+    command_timeout: float, wait_timeout: float
+) -> None:
+    """A WAIT that may block as long as the command's whole deadline would turn every
+    write whose replicas are slow into a timeout, not a WAIT shortfall."""
+    with pytest.raises(ValueError, match="wait_timeout.*command_timeout"):
+        RedisStore("redis://127.0.0.1:1/0", command_timeout=command_timeout,
+                   wait_replicas=1, wait_timeout=wait_timeout)  # fmt: skip
+    with pytest.raises(ValueError, match="command_timeout"):
+        RedisStore("redis://127.0.0.1:1/0", command_timeout=0)
+    assert RedisStore("redis://127.0.0.1:1/0", command_timeout=2, wait_replicas=1,
+                      wait_timeout=1.5)  # fmt: skip
+    assert RedisStore("redis://127.0.0.1:1/0", command_timeout=0.5)  # no WAIT: not checked
 
 
 async def test_a_passed_client_is_the_callers(redis_url: str) -> None:

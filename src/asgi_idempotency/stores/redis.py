@@ -258,14 +258,17 @@ class RedisStore:
             response (the middleware logs the error). A replica promoted after a
             failover then has every acknowledged claim and completion; see the
             README's Redis and Redis Cluster section.
-        wait_timeout: seconds ``WAIT`` may block (default 1).
+        wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
+            less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine with a URL: on a new loop the store builds a new client, and the old one
     is closed on its loop as it shuts down. A client you pass is yours, on one loop.
 
     Raises:
-        ValueError: an unsupported URL scheme, or a client that decodes responses.
+        ValueError: an unsupported URL scheme, a client that decodes responses, a
+            timeout that is not positive, or a ``wait_timeout`` not below
+            ``command_timeout`` with ``wait_replicas``.
     """
 
     def __init__(
@@ -279,8 +282,19 @@ class RedisStore:
     ) -> None:
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
-        if wait_replicas < 0 or wait_timeout <= 0:
-            raise ValueError("wait_replicas must be >= 0 and wait_timeout > 0")
+        if wait_replicas < 0:
+            raise ValueError("wait_replicas must be >= 0")
+        # WAIT runs inside the write's call, which command_timeout bounds: a WAIT allowed
+        # as long as the whole call would be cut off by the deadline, and a write whose
+        # replicas lag would read as a hung server instead of a WAIT shortfall.
+        if wait_timeout is None or wait_timeout <= 0 or (
+            wait_replicas and wait_timeout >= command_timeout
+        ):
+            raise ValueError(
+                f"wait_timeout ({wait_timeout}) must be positive and, with wait_replicas, "
+                f"shorter than command_timeout ({command_timeout}): WAIT runs within the "
+                "command's deadline"
+            )
         # The deadline of every call on a single-server client we built (see _make_client
         # for why it is ours and not redis-py's socket_timeout); None: the client's own.
         self._timeout: float | None = None
