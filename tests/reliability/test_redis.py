@@ -343,17 +343,7 @@ def own_cluster(tmp_path: Path) -> Any:
 
 
 def _primary_of(cluster: RedisCluster, key: str) -> RedisServer:
-    slot = int(redis_cli(cluster.nodes[0].port, "CLUSTER", "KEYSLOT", key).strip())
-    for line in redis_cli(cluster.nodes[0].port, "CLUSTER", "NODES").splitlines():
-        fields = line.split()
-        if "master" not in fields[2] or "fail" in fields[2]:
-            continue
-        for spec in fields[8:]:
-            lo, _, hi = spec.partition("-")
-            if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
-                port = int(fields[1].split(":")[1].split("@")[0])
-                return next(n for n in cluster.nodes if n.port == port)
-    raise AssertionError(f"no primary serves slot {slot}")
+    return cluster.primary_of(key)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
 from asgi_idempotency.stores.redis import RedisStore
-from tests.redis_servers import RedisServer, redis_cli, start_server
+from tests.redis_servers import RedisCluster as OurCluster
+from tests.redis_servers import RedisServer, redis_cli, start_cluster, start_server
 from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -282,6 +283,72 @@ def _claim_times() -> tuple[datetime, datetime, datetime]:
     return now, now + timedelta(seconds=30), now + timedelta(hours=1)
 
 
+@pytest.fixture
+def patient_cluster(tmp_path: Path) -> Iterator[OurCluster]:
+    """3 primaries, no replicas, whose nodes wait 30 s before they call a silent node
+    failed: one paused for a few seconds stays a healthy member, and nothing fails over."""
+    cluster = start_cluster(tmp_path / "cluster", replicas=False)
+    try:
+        for node in cluster.nodes:
+            node.cli("CONFIG", "SET", "cluster-node-timeout", "30000")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _keys_on(store: RedisStore, port: int, count: int) -> list[str]:
+    """``count`` scoped keys whose records live on the cluster node at ``port``."""
+    assert isinstance(store.client, RedisCluster)
+    found = []
+    for i in range(10_000):
+        key = f"{i:064x}"
+        node = store.client.get_node_from_key(f"idem:{{{key}}}")
+        if node is not None and node.port == port:
+            found.append(key)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"no {count} keys on port {port}")
+
+
+async def test_a_hung_cluster_node_is_a_503_within_the_command_timeout(
+    patient_cluster: OurCluster, tiny: Any
+) -> None:
+    """A cluster node that accepts and never answers (SIGSTOP): each call is a StoreError
+    within command_timeout, not one socket timeout per retry of the cluster client; and
+    the commands cut off leave no reply in flight on a pooled connection."""
+    store = RedisStore(patient_cluster.url, command_timeout=1)
+    digest = scoped_key("", "hung", "test")  # the tiny app's request below
+    node = patient_cluster.primary_of(f"idem:{{{digest}}}")
+    try:
+        assert await store.get(digest) is None  # connected, and the slot map learnt
+        a, b, c = _keys_on(store, node.port, 3)
+        assert await store.insert(NewClaim(a, "h", "ta", *_claim_times())) is None
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            for call in (store.get(a), store.insert(NewClaim(b, "h", "tb", *_claim_times()))):
+                started = time.monotonic()
+                with pytest.raises(StoreError):
+                    await call
+                assert time.monotonic() - started < 1.5  # not 3 x 1 s
+            app = tiny(store)
+            started = time.monotonic()
+            async with app.client() as client:
+                r = await client.post("/pay", json={}, headers={"Idempotency-Key": "hung"})
+            assert time.monotonic() - started < 1.5
+            assert r.status_code == 503
+            assert app.calls == {}
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        # Every connection a timeout cut off was dropped: each call reads its own reply.
+        assert await store.insert(NewClaim(c, "h", "tc", *_claim_times())) is None
+        held = await store.get(a)
+        assert held is not None
+        assert (held.token, held.status) == ("ta", RecordStatus.IN_PROGRESS)
+        assert await store.get(c) is not None
+    finally:
+        await store.close()
+
+
 async def test_fail_open_runs_the_handler_unguarded_when_redis_is_down(
     refused_url: str, tiny: Any
 ) -> None:
@@ -392,7 +459,7 @@ def test_wait_timeout_must_be_positive_and_shorter_than_the_command_timeout(
 ) -> None:
     """A WAIT that may block as long as the command's whole deadline would turn every
     write whose replicas are slow into a timeout, not a WAIT shortfall."""
-    with pytest.raises(ValueError, match="wait_timeout.*command_timeout"):
+    with pytest.raises(ValueError, match=r"wait_timeout.*command_timeout"):
         RedisStore("redis://127.0.0.1:1/0", command_timeout=command_timeout,
                    wait_replicas=1, wait_timeout=wait_timeout)  # fmt: skip
     with pytest.raises(ValueError, match="command_timeout"):

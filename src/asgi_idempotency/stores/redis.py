@@ -287,24 +287,26 @@ class RedisStore:
         # WAIT runs inside the write's call, which command_timeout bounds: a WAIT allowed
         # as long as the whole call would be cut off by the deadline, and a write whose
         # replicas lag would read as a hung server instead of a WAIT shortfall.
-        if wait_timeout is None or wait_timeout <= 0 or (
-            wait_replicas and wait_timeout >= command_timeout
+        if (
+            wait_timeout is None
+            or wait_timeout <= 0
+            or (wait_replicas and wait_timeout >= command_timeout)
         ):
             raise ValueError(
                 f"wait_timeout ({wait_timeout}) must be positive and, with wait_replicas, "
                 f"shorter than command_timeout ({command_timeout}): WAIT runs within the "
                 "command's deadline"
             )
-        # The deadline of every call on a single-server client we built (see _make_client
-        # for why it is ours and not redis-py's socket_timeout); None: the client's own.
+        # The deadline of every whole call on a client we built, one server or a cluster
+        # (see _make_client for why it is ours and not redis-py's socket_timeout); None:
+        # a passed client's own timeouts apply.
         self._timeout: float | None = None
         self._url = url_or_client if isinstance(url_or_client, str) else None
         self._command_timeout = command_timeout
         if isinstance(url_or_client, str):
             self.client: _Client = _make_client(url_or_client, command_timeout)
             self._owns_client = True
-            if not isinstance(self.client, RedisCluster):
-                self._timeout = command_timeout
+            self._timeout = command_timeout
         else:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
@@ -368,7 +370,7 @@ class RedisStore:
         async with self._warming:
             if self._cold:
                 assert isinstance(self.client, RedisCluster)
-                await _call(self.client.initialize())
+                await _call(self.client.initialize(), self._timeout)
                 self._cold = False
 
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
@@ -645,6 +647,17 @@ def _make_client(url: str, command_timeout: float) -> _Client:
         "retry": retry,
     }
     if cluster:
+        # The cluster client redirects, refreshes its slot map and retries inside one
+        # call, each attempt with its own socket timeout: three attempts made a 1 s
+        # command_timeout about 3 s. The store bounds each whole call as on one server
+        # (_run, _call, _scan); the socket timeout stays as a backstop for anything the
+        # client reads outside a store call. A cancelled call is safe on the cluster
+        # client too: a ClusterNode sends and reads on a Connection whose send_packed_command
+        # and read_response disconnect it on any BaseException, CancelledError included,
+        # before the node puts it back in its free queue (so it reconnects on next use),
+        # and a slot-map refresh swaps the new map in only once it is complete.
+        # tests/stores/test_redis.py::test_a_hung_cluster_node_is_a_503_within_the_command_timeout
+        # reads every reply after such cancellations.
         return RedisCluster.from_url(redis_url, **options)
     # One server: no socket_timeout (redis-py's default is 5 s). With one, redis-py
     # wraps every send in asyncio.wait_for, a Task and a loop pass of its own, and every
@@ -653,7 +666,5 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     # _call), so a hung server is still a StoreError, and sooner: the bound covers the
     # retries, where a socket timeout applied to each attempt. Cancelled mid-send or
     # mid-read, redis-py disconnects the connection, so no reply is left in flight.
-    # The cluster client keeps its socket timeout: it redirects and retries inside one
-    # call, and is not asked to survive a cancellation there.
     options["socket_timeout"] = None
     return aioredis.Redis.from_url(redis_url, **options)
