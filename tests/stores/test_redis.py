@@ -7,6 +7,7 @@ fixture; these pin the rest, against real ``redis-server`` processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -281,6 +282,55 @@ async def test_a_hung_server_is_a_store_error_within_the_command_timeout(
 def _claim_times() -> tuple[datetime, datetime, datetime]:
     now = datetime.now(UTC)
     return now, now + timedelta(seconds=30), now + timedelta(hours=1)
+
+
+async def test_a_claim_that_timed_out_is_released_once_the_server_answers_again(
+    tmp_path: Path, tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim of a request that got 503 (its call timed out on a paused server) was
+    already sent, and runs when the server resumes: the key then held a claim nobody
+    owns, 409 for the whole lease (30 s). Its token is known, so the store releases it
+    in the background, fenced by the token, as soon as the server answers again."""
+    server = start_server(tmp_path / "paused")
+    store = RedisStore(server.url, command_timeout=0.5)
+    app = tiny(store)
+    client_key = "order-77-raw-client-key"
+    digest = scoped_key("", client_key, "test")
+    name = f"idem:{{{digest}}}"
+    headers = {"Idempotency-Key": client_key}
+    caplog.set_level(logging.INFO, logger="asgi_idempotency")
+    try:
+        async with app.client() as c:
+            # Connected, and the scripts loaded (else the claim's EVALSHA would only meet
+            # NOSCRIPT on the resumed server), before the pause.
+            warm = await c.post("/pay", json={}, headers={"Idempotency-Key": "warm"})
+            assert warm.status_code == 201
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                r = await c.post("/pay", json={"n": 1}, headers=headers)
+                assert r.status_code == 503
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            started = time.monotonic()
+            answers = []
+            while time.monotonic() - started < 3:  # a tenth of the lease
+                r = await c.post("/pay", json={"n": 1}, headers=headers)
+                answers.append(r.status_code)
+                if r.status_code != 409:
+                    break
+                await asyncio.sleep(0.05)
+        assert answers[-1] == 201, answers
+        assert "idempotent-replayed" not in r.headers
+        assert app.calls == {"pay": 2}  # warm, and the retry
+        assert await store.client.hget(name, "s") == b"completed"
+        released = [rec for rec in caplog.records if "timed_out_claim_released" in rec.message]
+        assert len(released) == 1, caplog.text
+        assert digest[:16] in released[0].message
+        assert client_key not in caplog.text
+        assert digest not in caplog.text  # the first 16 hex digits only
+    finally:
+        await store.close()
+        server.stop()
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import functools
 import heapq
+import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
@@ -217,6 +218,18 @@ return 0
 _SCAN_COUNT = 1000
 _BATCH = 500
 
+# The timed-out claims the store still means to release (see RedisStore._orphaned): at
+# most this many wait at once, so an outage under load holds a bounded set; the claims
+# past it keep their key until their lease ends, as every timed-out claim did before.
+_ORPHANS_MAX = 1000
+# How many answered releases that found nothing to delete settle a timed-out claim: the
+# first may reach the resumed server before the claim that was queued on the closed
+# connection (both wait in the kernel; the server reads them in one pass, in an order
+# of its own); a second round trip comes after that pass.
+_ORPHAN_MISSES = 2
+
+logger = logging.getLogger("asgi_idempotency")
+
 _Client = aioredis.Redis | RedisCluster
 
 
@@ -260,6 +273,10 @@ class RedisStore:
             README's Redis and Redis Cluster section.
         wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
             less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
+
+    A claim (``insert`` or ``replace``) whose call timed out is withdrawn: it may still
+    run on the server, and the store then releases it by its token in the background,
+    so that token must not be used again (the middleware draws a new one per request).
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine with a URL: on a new loop the store builds a new client, and the old one
@@ -323,6 +340,10 @@ class RedisStore:
         # the first command waits for the map, under this lock, before any other runs.
         self._cold = isinstance(self.client, RedisCluster)
         self._warming = asyncio.Lock()
+        # Timed-out claims to release, (key, token) -> [loop-time deadline, misses], and
+        # the one task that releases them (see _orphaned).
+        self._orphans: dict[tuple[str, str], list[float]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         # The loop the client's connections belong to, and what closes them on it (see
         # _enter); None until the store is first used.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -350,6 +371,8 @@ class RedisStore:
                 self.client = _make_client(self._url, self._command_timeout)
             self._node_clients = {}
             self._refreshing, self._warming = asyncio.Lock(), asyncio.Lock()
+            # The old loop's sweeper ends with its loop; its claims' leases are theirs.
+            self._orphans, self._sweeper = {}, None
             self._cold = isinstance(self.client, RedisCluster)
         own = self.client if self._owns_client else None
         self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
@@ -465,12 +488,20 @@ class RedisStore:
         return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
-        row = await self._run(self._insert, new.key, self._claim_args(new))
+        try:
+            row = await self._run(self._insert, new.key, self._claim_args(new))
+        except StoreError as exc:
+            self._orphaned(new, exc)
+            raise
         return None if row == 0 else _claimed(new.key, row)
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
         old = [expected.token, expected.status.value, _us(expected.locked_until)]
-        return bool(await self._run(self._replace, expected.key, old + self._claim_args(new)))
+        try:
+            return bool(await self._run(self._replace, expected.key, old + self._claim_args(new)))
+        except StoreError as exc:
+            self._orphaned(new, exc)
+            raise
 
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
@@ -484,6 +515,61 @@ class RedisStore:
 
     async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
         return bool(await self._run(self._renew, key, [token, _us(locked_until)]))
+
+    # Timed-out claims.
+
+    def _orphaned(self, new: NewClaim, exc: StoreError) -> None:
+        """Release ``new``'s claim in the background if its call timed out.
+
+        A timed-out claim was sent: a paused or overloaded server runs it when it gets
+        to it, after the request got its 503. The key would then hold a claim that no
+        handler owns and answer 409 until the lease ends. The token is this claim's
+        alone, so releasing by it (the fenced release script) deletes nothing but that
+        claim: not a row taken over since, nor one completed. The releases are retried
+        until the server answers, for at most the claim's lease (after it the claim
+        is abandoned and taken over anyway), and at most _ORPHANS_MAX wait at once.
+        Other failures are not ambiguous in the same way (refused, READONLY, MOVED: the
+        claim did not run) and keep the old behaviour.
+        """
+        if not isinstance(exc.__cause__, TimeoutError | rexc.TimeoutError):
+            return
+        lease = (new.locked_until - new.now).total_seconds()
+        if lease <= 0 or len(self._orphans) >= _ORPHANS_MAX:
+            return
+        loop = asyncio.get_running_loop()
+        self._orphans[(new.key, new.token)] = [loop.time() + lease, 0]
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep(), name="RedisStore._sweep")
+
+    async def _sweep(self) -> None:
+        """Release the timed-out claims until each is settled, backing off while the
+        server does not answer. Each release is one bounded store call."""
+        loop, pause = asyncio.get_running_loop(), 0.05
+        while self._orphans and loop is self._loop:
+            for (key, token), entry in list(self._orphans.items()):
+                if entry[0] <= loop.time():
+                    del self._orphans[(key, token)]  # its lease is over: taken over now
+                    _log_orphan(logging.INFO, "idempotency.timed_out_claim_unreleased", key,
+                                "the store did not answer within the claim's lease")  # fmt: skip
+                    continue
+                try:
+                    released = await self._run(self._release, key, [token])
+                except StoreError:
+                    break  # still down or paused: wait, then try every one again
+                if released:
+                    del self._orphans[(key, token)]
+                    _log_orphan(logging.WARNING, "idempotency.timed_out_claim_released", key,
+                                "a claim whose store call timed out (the request got 503) "
+                                "ran once the store answered again; released, so a retry "
+                                "of the key runs at once rather than after the lease")  # fmt: skip
+                else:
+                    entry[1] += 1
+                    if entry[1] >= _ORPHAN_MISSES:  # never ran, or no longer ours
+                        del self._orphans[(key, token)]
+            else:
+                pause = 0.05  # the server answered every release of this pass
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     # Off the hot path: SCAN over every primary (admin tools and tests).
 
@@ -600,12 +686,29 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and not sweeper.done():
+            # Closing drops the releases still pending: those keys keep their claim
+            # until the lease ends, as they would have without the sweeper.
+            sweeper.cancel()
+            if sweeper.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+        self._orphans = {}
         tenure, self._tenure, self._loop = self._tenure, None, None
         if tenure is None:  # never used: nothing is open, but close what was built
             await _close_clients(self.client if self._owns_client else None, self._node_clients)
         elif tenure.loop is asyncio.get_running_loop():
             await tenure.end()
         # Else the connections are another loop's, closed as that loop shuts down.
+
+
+def _log_orphan(level: int, event: str, key: str, hint: str) -> None:
+    """One line as the middleware's events are (docs/operations.md, Log events): the
+    event, the key's digest (never the key), then `` -- `` and what happened."""
+    digest = key[:16]
+    logger.log(level, "%s key_digest=%s -- %s", event, digest, hint,
+               extra={"event": event, "key_digest": digest})  # fmt: skip
 
 
 async def _close_clients(client: _Client | None, node_clients: dict[str, aioredis.Redis]) -> None:
