@@ -488,6 +488,69 @@ async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
         await store.close()
 
 
+@pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[OurCluster]:
+    """3 primaries and a replica each, of this test's own (it moves their roles)."""
+    cluster = start_cluster(tmp_path / "cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _replica_of(cluster: OurCluster, primary: RedisServer) -> RedisServer:
+    nodes = [line.split() for line in primary.cli("CLUSTER", "NODES").splitlines()]
+    primary_id = next(f[0] for f in nodes if "myself" in f[2])
+    port = next(int(f[1].split(":")[1].split("@")[0]) for f in nodes if f[3] == primary_id)
+    return next(n for n in cluster.nodes if n.port == port)
+
+
+async def test_wait_mode_follows_a_moved_after_a_failover(replicated_cluster: OurCluster) -> None:
+    """With wait_replicas, the write goes to the key's primary by the store's slot map.
+    After a failover that map names a replica, which answers MOVED: the store refreshes
+    the map and sends the write again, once, to the primary named now, within the
+    command's deadline, rather than answering 503 where a fresh map would serve."""
+    cluster = replicated_cluster
+    store = RedisStore(cluster.url, command_timeout=3, wait_replicas=1, wait_timeout=1)
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    key, other = "5" * 64, "6" * 64
+    try:
+        assert await store.insert(NewClaim(key, "h", "t", now, now + timedelta(minutes=1),
+                                           later)) is None  # fmt: skip
+        old = cluster.primary_of(f"idem:{{{key}}}")
+        others = [k for k in _keys_on(store, old.port, 7) if k != key][:6]
+        new = _replica_of(cluster, old)
+        new.cli("CLUSTER", "FAILOVER")  # graceful: the old primary becomes its replica
+        deadline = time.monotonic() + 30
+        while cluster.roles().get(new.port) != "master" or cluster.roles().get(old.port) != (
+            "slave"
+        ):
+            assert time.monotonic() < deadline, "the failover did not happen"
+            await asyncio.sleep(0.05)
+        cluster.wait_replicas_linked()
+        cluster.wait_ok()
+        # The store's map still names the old primary, now a replica that answers MOVED,
+        # to every one of these at once: one refreshes the map, the others meet the
+        # refresh in flight, and each follows its MOVED all the same.
+        completed, *claimed = await asyncio.gather(
+            store.complete(key, "t", RESPONSE, expires_at=later),
+            *(store.insert(NewClaim(k, "h", "t", now, now, later)) for k in others),
+        )
+        assert completed
+        assert claimed == [None] * len(others)
+        record = await store.get(key)
+        assert record is not None
+        assert record.status is RecordStatus.COMPLETED
+        # The map is fresh now: the next write goes straight to the new primary.
+        assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
+        assert await store.insert(NewClaim(other, "h", "u", now, now, later)) is None
+        assert isinstance(store.client, RedisCluster)
+        assert all(node.port != old.port for node in store.client.get_primaries())
+    finally:
+        await store.close()
+
+
 # Construction.
 
 

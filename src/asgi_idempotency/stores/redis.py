@@ -437,17 +437,29 @@ class RedisStore:
             target = self._node_client(cluster.get_node_from_key(rkey))
         else:
             target = cluster
+        reloaded = followed = False
         try:
-            for attempt in (1, 2):
+            while True:
                 pipe = target.pipeline(transaction=False)
                 pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
                 pipe.execute_command("WAIT", self._wait, self._wait_ms)
                 try:
                     result, acked = await pipe.execute()
                 except rexc.NoScriptError:
-                    if attempt == 2:
+                    if reloaded:
                         raise
+                    reloaded = True
                     script.sha = await target.script_load(script.script)
+                    continue
+                except rexc.MovedError as moved:
+                    # The slot has another primary now (a failover, a resharding) and
+                    # this node ran nothing: send it once more, to the primary a fresh
+                    # map names, as the cluster client does for its own commands. Still
+                    # inside the call's deadline (_run); a second MOVED is a 503.
+                    if followed or not isinstance(cluster, RedisCluster):
+                        raise
+                    followed = True
+                    target = await self._moved_to(cluster, rkey, moved)
                     continue
                 if int(acked) < self._wait:
                     raise StoreError(
@@ -459,7 +471,28 @@ class RedisStore:
             if isinstance(cluster, RedisCluster):
                 await self._refresh_slots(cluster)  # MOVED, a dead node: the map is stale
             raise
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _moved_to(
+        self, cluster: RedisCluster, rkey: str, moved: rexc.MovedError
+    ) -> aioredis.Redis:
+        """The client of ``rkey``'s primary after ``moved``, with the slot map refreshed.
+
+        The address the MOVED names is the server's own answer, so it wins over a map
+        read from a node that may not have learnt the change yet; the map's node serves
+        when the MOVED names a node the map does not know.
+        """
+        await self._refresh_slots(cluster, wait=True)
+        node = cluster.get_node(host=moved.host, port=moved.port)
+        if node is None:
+            # A node the map did not have: the refresh waited for may have begun before
+            # the slot moved, so ask once more.
+            await self._refresh_slots(cluster, wait=True)
+            node = cluster.get_node(host=moved.host, port=moved.port)
+        if node is None:
+            node = cluster.get_node_from_key(rkey)
+        if node is None:
+            raise moved
+        return self._node_client(node)
 
     def _node_client(self, node: Any) -> aioredis.Redis:
         """A plain client of one cluster node, built from that node's own settings."""
@@ -471,8 +504,13 @@ class RedisStore:
             client = self._node_clients[node.name] = aioredis.Redis(connection_pool=pool)
         return client
 
-    async def _refresh_slots(self, cluster: RedisCluster) -> None:
+    async def _refresh_slots(self, cluster: RedisCluster, *, wait: bool = False) -> None:
+        """Ask a node for the slot map again; ``wait``: return only once a refresh has
+        ended (the one already in flight, if any), for a caller about to use the map."""
         if self._refreshing.locked():
+            if wait:
+                async with self._refreshing:
+                    pass  # the refresh in flight has ended: its map is the one to read
             return  # another request is already asking
         # Mid-failover it may fail too: the next request asks again.
         async with self._refreshing:
