@@ -789,8 +789,8 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     }
     if cluster:
         # The cluster client redirects, refreshes its slot map and retries inside one
-        # call, each attempt with its own socket timeout: three attempts made a 1 s
-        # command_timeout about 3 s. The store bounds each whole call as on one server
+        # call, each attempt with its own socket timeout, so a hung node took a multiple
+        # of command_timeout to fail. The store bounds each whole call as on one server
         # (_run, _call, _scan); the socket timeout stays as a backstop for anything the
         # client reads outside a store call. A cancelled call is safe on the cluster
         # client too: a ClusterNode sends and reads on a Connection whose send_packed_command
