@@ -132,8 +132,11 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # an earlier attempt of this very call landed and only its answer was lost (redis-py
 # retries a command after a dropped connection): report the write as ours rather
 # than as somebody else's row. This is transport idempotency, not a lifecycle rule.
-# It applies to insert and replace, not to complete: a completion answers as the SQL
-# store's does (below), so a resent completion whose first attempt landed answers 0.
+# It applies to insert and replace, not to complete: only an in-progress row owned by
+# the token completes, and a completed row answers 0 even to its own token, as the SQL
+# store's update (status = 'in_progress' in its WHERE) does. Every store then gives the
+# lifecycle the same answer, a stored response is never overwritten, and a resent
+# completion whose first attempt landed answers 0.
 
 # A claim's four numbers travel as one argument, "created locked expires ttl_ms"
 # (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
@@ -173,13 +176,11 @@ return 1
 
 # KEYS[1]; ARGV token, status, headers, body, expires. The TTL runs from the claim's
 # created_at (in the caller's clock, like expires_at), so it is never shorter than
-# the retention the caller asked for. Only an in-progress row owned by the token
-# completes: a completed row answers 0 even to its own token, as the SQL store's
-# update (status = 'in_progress' in its WHERE) does, so every store gives the
-# lifecycle the same answer and a stored response is never overwritten.
+# the retention the caller asked for.
 _COMPLETE = """
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
-if row[1] ~= ARGV[1] or row[2] ~= 'in_progress' then return 0 end
+if row[1] ~= ARGV[1] then return 0 end
+if row[2] ~= 'in_progress' then return 0 end
 redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4],
            'e', ARGV[5])
 local ttl = math.ceil((tonumber(ARGV[5]) - tonumber(row[3])) / 1000)
