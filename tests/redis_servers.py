@@ -187,6 +187,21 @@ class RedisCluster:
                 roles[node.port] = redis_cli(node.port, "ROLE").split()[0]
         return roles
 
+    def primary_of(self, key: str) -> RedisServer:
+        """The node serving ``key``'s slot as a primary now (as node 0 of those running sees it)."""
+        live = next(n for n in self.nodes if n.proc is not None and n.proc.poll() is None)
+        slot = int(redis_cli(live.port, "CLUSTER", "KEYSLOT", key).strip())
+        for line in redis_cli(live.port, "CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            for spec in fields[8:]:
+                lo, _, hi = spec.partition("-")
+                if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                    port = int(fields[1].split(":")[1].split("@")[0])
+                    return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"no primary serves slot {slot}")
+
     def wait_replicas_linked(self, *, within: float = 30) -> None:
         """Until every replica has synced with its primary (it can take over only then)."""
         deadline = time.monotonic() + within

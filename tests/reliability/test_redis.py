@@ -343,17 +343,7 @@ def own_cluster(tmp_path: Path) -> Any:
 
 
 def _primary_of(cluster: RedisCluster, key: str) -> RedisServer:
-    slot = int(redis_cli(cluster.nodes[0].port, "CLUSTER", "KEYSLOT", key).strip())
-    for line in redis_cli(cluster.nodes[0].port, "CLUSTER", "NODES").splitlines():
-        fields = line.split()
-        if "master" not in fields[2] or "fail" in fields[2]:
-            continue
-        for spec in fields[8:]:
-            lo, _, hi = spec.partition("-")
-            if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
-                port = int(fields[1].split(":")[1].split("@")[0])
-                return next(n for n in cluster.nodes if n.port == port)
-    raise AssertionError(f"no primary serves slot {slot}")
+    return cluster.primary_of(key)
 
 
 @pytest.mark.slow
@@ -363,7 +353,7 @@ async def test_a_cluster_primary_killed_mid_load_fails_over_with_503s_and_never_
     """A primary is SIGKILLed mid-load; its replica takes over after the node timeout
     (1 s) and an election. ``wait_replicas=1``: every claim and completion the client
     saw was on the replica before it was acknowledged, so none is lost."""
-    store = RedisStore(own_cluster.url, command_timeout=1, wait_replicas=1, wait_timeout=1)
+    store = RedisStore(own_cluster.url, command_timeout=1, wait_replicas=1, wait_timeout=0.5)
     t = refund_app(store)
     try:
         async with asyncio.timeout(120), t.client() as c:

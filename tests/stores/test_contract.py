@@ -59,6 +59,25 @@ async def test_complete_then_replay_returns_identical_response(store: Store) -> 
     assert (await claim(store, h="other")).outcome is ClaimOutcome.MISMATCH
 
 
+async def test_completing_a_completed_row_answers_false_and_changes_nothing(
+    store: Store,
+) -> None:
+    """Only an in-progress row owned by the token completes: a second completion, even
+    by the owner's own token, finds a completed row and answers False, as SQL's update
+    (which matches ``status = 'in_progress'`` only) does."""
+    t = tok()
+    await claim(store, token=t)
+    assert await store.complete("k" * 64, t, RESPONSE, expires_at=T0 + TTL)
+    other = StoredResponse(500, (), b"second")
+    assert not await store.complete("k" * 64, t, other, expires_at=T0 + 2 * TTL)
+    assert not await store.complete("k" * 64, tok(), other, expires_at=T0 + 2 * TTL)
+    record = await store.get("k" * 64)
+    assert record is not None
+    assert (record.status, record.token, record.response, record.expires_at) == (
+        RecordStatus.COMPLETED, t, RESPONSE, T0 + TTL,
+    )  # fmt: skip
+
+
 async def test_release_lets_a_retry_claim_again(store: Store) -> None:
     t = tok()
     await claim(store, token=t)

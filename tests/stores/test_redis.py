@@ -7,10 +7,11 @@ fixture; these pin the rest, against real ``redis-server`` processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
 from asgi_idempotency.stores.redis import RedisStore
-from tests.redis_servers import RedisServer, redis_cli, start_server
+from tests.redis_servers import RedisCluster as OurCluster
+from tests.redis_servers import RedisServer, redis_cli, start_cluster, start_server
 from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -195,9 +197,11 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
 ) -> None:
     """redis-py resends a command after a dropped connection; the first may have landed.
 
-    The scripts recognise their own token (unique to one claim), so a resent claim is
-    still the caller's claim, not a 409 against itself, and a resent swap or completion
-    still succeeded.
+    The claim scripts recognise their own token (unique to one claim), so a resent
+    claim is still the caller's claim, not a 409 against itself, and a resent swap
+    still succeeded. A completion answers as every store does: only an in-progress row
+    completes, so a second completion answers False (the contract's
+    test_completing_a_completed_row_answers_false_and_changes_nothing).
     """
     now = datetime.now(UTC)
     lease, ttl = timedelta(seconds=30), timedelta(hours=1)
@@ -211,7 +215,7 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
     assert await rstore.replace(current, taker)
     assert await rstore.replace(current, taker)  # the resend
     assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
-    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
+    assert not await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
     # A stranger's token still gets nothing, whatever the state.
     assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, later, later + ttl))
     assert not await rstore.complete("d" * 64, "t1", RESPONSE, expires_at=later + ttl)
@@ -280,6 +284,121 @@ def _claim_times() -> tuple[datetime, datetime, datetime]:
     return now, now + timedelta(seconds=30), now + timedelta(hours=1)
 
 
+async def test_a_claim_that_timed_out_is_released_once_the_server_answers_again(
+    tmp_path: Path, tiny: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim of a request that got 503 (its call timed out on a paused server) was
+    already sent, and runs when the server resumes: the key then held a claim nobody
+    owns, 409 for the whole lease (30 s). Its token is known, so the store releases it
+    in the background, fenced by the token, as soon as the server answers again."""
+    server = start_server(tmp_path / "paused")
+    store = RedisStore(server.url, command_timeout=0.5)
+    app = tiny(store)
+    client_key = "order-77-raw-client-key"
+    digest = scoped_key("", client_key, "test")
+    name = f"idem:{{{digest}}}"
+    headers = {"Idempotency-Key": client_key}
+    caplog.set_level(logging.INFO, logger="asgi_idempotency")
+    try:
+        async with app.client() as c:
+            # Connected, and the scripts loaded (else the claim's EVALSHA would only meet
+            # NOSCRIPT on the resumed server), before the pause.
+            warm = await c.post("/pay", json={}, headers={"Idempotency-Key": "warm"})
+            assert warm.status_code == 201
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                r = await c.post("/pay", json={"n": 1}, headers=headers)
+                assert r.status_code == 503
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            started = time.monotonic()
+            answers = []
+            while time.monotonic() - started < 3:  # a tenth of the lease
+                r = await c.post("/pay", json={"n": 1}, headers=headers)
+                answers.append(r.status_code)
+                if r.status_code != 409:
+                    break
+                await asyncio.sleep(0.05)
+        assert answers[-1] == 201, answers
+        assert "idempotent-replayed" not in r.headers
+        assert app.calls == {"pay": 2}  # warm, and the retry
+        assert await store.client.hget(name, "s") == b"completed"
+        released = [rec for rec in caplog.records if "timed_out_claim_released" in rec.message]
+        assert len(released) == 1, caplog.text
+        assert digest[:16] in released[0].message
+        assert client_key not in caplog.text
+        assert digest not in caplog.text  # the first 16 hex digits only
+    finally:
+        await store.close()
+        server.stop()
+
+
+@pytest.fixture
+def patient_cluster(tmp_path: Path) -> Iterator[OurCluster]:
+    """3 primaries, no replicas, whose nodes wait 30 s before they call a silent node
+    failed: one paused for a few seconds stays a healthy member, and nothing fails over."""
+    cluster = start_cluster(tmp_path / "cluster", replicas=False)
+    try:
+        for node in cluster.nodes:
+            node.cli("CONFIG", "SET", "cluster-node-timeout", "30000")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _keys_on(store: RedisStore, port: int, count: int) -> list[str]:
+    """``count`` scoped keys whose records live on the cluster node at ``port``."""
+    assert isinstance(store.client, RedisCluster)
+    found = []
+    for i in range(10_000):
+        key = f"{i:064x}"
+        node = store.client.get_node_from_key(f"idem:{{{key}}}")
+        if node is not None and node.port == port:
+            found.append(key)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"no {count} keys on port {port}")
+
+
+async def test_a_hung_cluster_node_is_a_503_within_the_command_timeout(
+    patient_cluster: OurCluster, tiny: Any
+) -> None:
+    """A cluster node that accepts and never answers (SIGSTOP): each call is a StoreError
+    within command_timeout, not one socket timeout per retry of the cluster client; and
+    the commands cut off leave no reply in flight on a pooled connection."""
+    store = RedisStore(patient_cluster.url, command_timeout=1)
+    digest = scoped_key("", "hung", "test")  # the tiny app's request below
+    node = patient_cluster.primary_of(f"idem:{{{digest}}}")
+    try:
+        assert await store.get(digest) is None  # connected, and the slot map learnt
+        a, b, c = _keys_on(store, node.port, 3)
+        assert await store.insert(NewClaim(a, "h", "ta", *_claim_times())) is None
+        os.kill(node.pid, signal.SIGSTOP)
+        try:
+            for call in (store.get(a), store.insert(NewClaim(b, "h", "tb", *_claim_times()))):
+                started = time.monotonic()
+                with pytest.raises(StoreError):
+                    await call
+                assert time.monotonic() - started < 1.5  # not 3 x 1 s
+            app = tiny(store)
+            started = time.monotonic()
+            async with app.client() as client:
+                r = await client.post("/pay", json={}, headers={"Idempotency-Key": "hung"})
+            assert time.monotonic() - started < 1.5
+            assert r.status_code == 503
+            assert app.calls == {}
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        # Every connection a timeout cut off was dropped: each call reads its own reply.
+        assert await store.insert(NewClaim(c, "h", "tc", *_claim_times())) is None
+        held = await store.get(a)
+        assert held is not None
+        assert (held.token, held.status) == ("ta", RecordStatus.IN_PROGRESS)
+        assert await store.get(c) is not None
+    finally:
+        await store.close()
+
+
 async def test_fail_open_runs_the_handler_unguarded_when_redis_is_down(
     refused_url: str, tiny: Any
 ) -> None:
@@ -335,7 +454,7 @@ async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
     await _wait_linked(replica)
     now = datetime.now(UTC)
     later = now + timedelta(hours=1)
-    store = RedisStore(primary.url, wait_replicas=1, wait_timeout=5)
+    store = RedisStore(primary.url, command_timeout=10, wait_replicas=1, wait_timeout=5)
     lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
     name = "idem:{" + "a" * 64 + "}"
     try:
@@ -369,6 +488,69 @@ async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
         await store.close()
 
 
+@pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[OurCluster]:
+    """3 primaries and a replica each, of this test's own (it moves their roles)."""
+    cluster = start_cluster(tmp_path / "cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _replica_of(cluster: OurCluster, primary: RedisServer) -> RedisServer:
+    nodes = [line.split() for line in primary.cli("CLUSTER", "NODES").splitlines()]
+    primary_id = next(f[0] for f in nodes if "myself" in f[2])
+    port = next(int(f[1].split(":")[1].split("@")[0]) for f in nodes if f[3] == primary_id)
+    return next(n for n in cluster.nodes if n.port == port)
+
+
+async def test_wait_mode_follows_a_moved_after_a_failover(replicated_cluster: OurCluster) -> None:
+    """With wait_replicas, the write goes to the key's primary by the store's slot map.
+    After a failover that map names a replica, which answers MOVED: the store refreshes
+    the map and sends the write again, once, to the primary named now, within the
+    command's deadline, rather than answering 503 where a fresh map would serve."""
+    cluster = replicated_cluster
+    store = RedisStore(cluster.url, command_timeout=3, wait_replicas=1, wait_timeout=1)
+    now = datetime.now(UTC)
+    later = now + timedelta(hours=1)
+    key, other = "5" * 64, "6" * 64
+    try:
+        assert await store.insert(NewClaim(key, "h", "t", now, now + timedelta(minutes=1),
+                                           later)) is None  # fmt: skip
+        old = cluster.primary_of(f"idem:{{{key}}}")
+        others = [k for k in _keys_on(store, old.port, 7) if k != key][:6]
+        new = _replica_of(cluster, old)
+        new.cli("CLUSTER", "FAILOVER")  # graceful: the old primary becomes its replica
+        deadline = time.monotonic() + 30
+        while cluster.roles().get(new.port) != "master" or cluster.roles().get(old.port) != (
+            "slave"
+        ):
+            assert time.monotonic() < deadline, "the failover did not happen"
+            await asyncio.sleep(0.05)
+        cluster.wait_replicas_linked()
+        cluster.wait_ok()
+        # The store's map still names the old primary, now a replica that answers MOVED,
+        # to every one of these at once: one refreshes the map, the others meet the
+        # refresh in flight, and each follows its MOVED all the same.
+        completed, *claimed = await asyncio.gather(
+            store.complete(key, "t", RESPONSE, expires_at=later),
+            *(store.insert(NewClaim(k, "h", "t", now, now, later)) for k in others),
+        )
+        assert completed
+        assert claimed == [None] * len(others)
+        record = await store.get(key)
+        assert record is not None
+        assert record.status is RecordStatus.COMPLETED
+        # The map is fresh now: the next write goes straight to the new primary.
+        assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
+        assert await store.insert(NewClaim(other, "h", "u", now, now, later)) is None
+        assert isinstance(store.client, RedisCluster)
+        assert all(node.port != old.port for node in store.client.get_primaries())
+    finally:
+        await store.close()
+
+
 # Construction.
 
 
@@ -379,6 +561,25 @@ def test_urls_name_one_server_or_a_cluster() -> None:
     assert isinstance(RedisStore("redis+cluster://127.0.0.1:1").client, RedisCluster)
     with pytest.raises(ValueError, match=r"redis\+cluster://host:port"):
         RedisStore("http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    ("command_timeout", "wait_timeout"),
+    [(1.0, 1.0), (1.0, 2.0), (0.5, 5.0), (5.0, 0.0), (5.0, -1.0)],
+)
+def test_wait_timeout_must_be_positive_and_shorter_than_the_command_timeout(
+    command_timeout: float, wait_timeout: float
+) -> None:
+    """A WAIT that may block as long as the command's whole deadline would turn every
+    write whose replicas are slow into a timeout, not a WAIT shortfall."""
+    with pytest.raises(ValueError, match=r"wait_timeout.*command_timeout"):
+        RedisStore("redis://127.0.0.1:1/0", command_timeout=command_timeout,
+                   wait_replicas=1, wait_timeout=wait_timeout)  # fmt: skip
+    with pytest.raises(ValueError, match="command_timeout"):
+        RedisStore("redis://127.0.0.1:1/0", command_timeout=0)
+    assert RedisStore("redis://127.0.0.1:1/0", command_timeout=2, wait_replicas=1,
+                      wait_timeout=1.5)  # fmt: skip
+    assert RedisStore("redis://127.0.0.1:1/0", command_timeout=0.5)  # no WAIT: not checked
 
 
 async def test_a_passed_client_is_the_callers(redis_url: str) -> None:

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import functools
 import heapq
+import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
@@ -132,6 +133,11 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # an earlier attempt of this very call landed and only its answer was lost (redis-py
 # retries a command after a dropped connection): report the write as ours rather
 # than as somebody else's row. This is transport idempotency, not a lifecycle rule.
+# It applies to insert and replace, not to complete: only an in-progress row owned by
+# the token completes, and a completed row answers 0 even to its own token, as the SQL
+# store's update (status = 'in_progress' in its WHERE) does. Every store then gives the
+# lifecycle the same answer, a stored response is never overwritten, and a resent
+# completion whose first attempt landed answers 0.
 
 # A claim's four numbers travel as one argument, "created locked expires ttl_ms"
 # (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
@@ -175,7 +181,6 @@ return 1
 _COMPLETE = """
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
 if row[1] ~= ARGV[1] then return 0 end
-if row[2] == 'completed' then return 1 end
 if row[2] ~= 'in_progress' then return 0 end
 redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4],
            'e', ARGV[5])
@@ -226,6 +231,18 @@ return 0
 _SCAN_COUNT = 1000
 _BATCH = 500
 
+# The timed-out claims the store still means to release (see RedisStore._orphaned): at
+# most this many wait at once, so an outage under load holds a bounded set; the claims
+# past it keep their key until their lease ends, as every timed-out claim did before.
+_ORPHANS_MAX = 1000
+# How many answered releases that found nothing to delete settle a timed-out claim: the
+# first may reach the resumed server before the claim that was queued on the closed
+# connection (both wait in the kernel; the server reads them in one pass, in an order
+# of its own); a second round trip comes after that pass.
+_ORPHAN_MISSES = 2
+
+logger = logging.getLogger("asgi_idempotency")
+
 _Client = aioredis.Redis | RedisCluster
 
 
@@ -267,14 +284,21 @@ class RedisStore:
             response (the middleware logs the error). A replica promoted after a
             failover then has every acknowledged claim and completion; see the
             README's Redis and Redis Cluster section.
-        wait_timeout: seconds ``WAIT`` may block (default 1).
+        wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
+            less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
+
+    A claim (``insert`` or ``replace``) whose call timed out is withdrawn: it may still
+    run on the server, and the store then releases it by its token in the background,
+    so that token must not be used again (the middleware draws a new one per request).
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine with a URL: on a new loop the store builds a new client, and the old one
     is closed on its loop as it shuts down. A client you pass is yours, on one loop.
 
     Raises:
-        ValueError: an unsupported URL scheme, or a client that decodes responses.
+        ValueError: an unsupported URL scheme, a client that decodes responses, a
+            timeout that is not positive, or a ``wait_timeout`` not below
+            ``command_timeout`` with ``wait_replicas``.
     """
 
     def __init__(
@@ -288,18 +312,31 @@ class RedisStore:
     ) -> None:
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
-        if wait_replicas < 0 or wait_timeout <= 0:
-            raise ValueError("wait_replicas must be >= 0 and wait_timeout > 0")
-        # The deadline of every call on a single-server client we built (see _make_client
-        # for why it is ours and not redis-py's socket_timeout); None: the client's own.
+        if wait_replicas < 0:
+            raise ValueError("wait_replicas must be >= 0")
+        # WAIT runs inside the write's call, which command_timeout bounds: a WAIT allowed
+        # as long as the whole call would be cut off by the deadline, and a write whose
+        # replicas lag would read as a hung server instead of a WAIT shortfall.
+        if (
+            wait_timeout is None
+            or wait_timeout <= 0
+            or (wait_replicas and wait_timeout >= command_timeout)
+        ):
+            raise ValueError(
+                f"wait_timeout ({wait_timeout}) must be positive and, with wait_replicas, "
+                f"shorter than command_timeout ({command_timeout}): WAIT runs within the "
+                "command's deadline"
+            )
+        # The deadline of every whole call on a client we built, one server or a cluster
+        # (see _make_client for why it is ours and not redis-py's socket_timeout); None:
+        # a passed client's own timeouts apply.
         self._timeout: float | None = None
         self._url = url_or_client if isinstance(url_or_client, str) else None
         self._command_timeout = command_timeout
         if isinstance(url_or_client, str):
             self.client: _Client = _make_client(url_or_client, command_timeout)
             self._owns_client = True
-            if not isinstance(self.client, RedisCluster):
-                self._timeout = command_timeout
+            self._timeout = command_timeout
         else:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
@@ -316,6 +353,10 @@ class RedisStore:
         # the first command waits for the map, under this lock, before any other runs.
         self._cold = isinstance(self.client, RedisCluster)
         self._warming = asyncio.Lock()
+        # Timed-out claims to release, (key, token) -> [loop-time deadline, misses], and
+        # the one task that releases them (see _orphaned).
+        self._orphans: dict[tuple[str, str], list[float]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         # The loop the client's connections belong to, and what closes them on it (see
         # _enter); None until the store is first used.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -343,6 +384,8 @@ class RedisStore:
                 self.client = _make_client(self._url, self._command_timeout)
             self._node_clients = {}
             self._refreshing, self._warming = asyncio.Lock(), asyncio.Lock()
+            # The old loop's sweeper ends with its loop; its claims' leases are theirs.
+            self._orphans, self._sweeper = {}, None
             self._cold = isinstance(self.client, RedisCluster)
         own = self.client if self._owns_client else None
         self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
@@ -363,7 +406,7 @@ class RedisStore:
         async with self._warming:
             if self._cold:
                 assert isinstance(self.client, RedisCluster)
-                await _call(self.client.initialize())
+                await _call(self.client.initialize(), self._timeout)
                 self._cold = False
 
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
@@ -407,17 +450,29 @@ class RedisStore:
             target = self._node_client(cluster.get_node_from_key(rkey))
         else:
             target = cluster
+        reloaded = followed = False
         try:
-            for attempt in (1, 2):
+            while True:
                 pipe = target.pipeline(transaction=False)
                 pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
                 pipe.execute_command("WAIT", self._wait, self._wait_ms)
                 try:
                     result, acked = await pipe.execute()
                 except rexc.NoScriptError:
-                    if attempt == 2:
+                    if reloaded:
                         raise
+                    reloaded = True
                     script.sha = await target.script_load(script.script)
+                    continue
+                except rexc.MovedError as moved:
+                    # The slot has another primary now (a failover, a resharding) and
+                    # this node ran nothing: send it once more, to the primary a fresh
+                    # map names, as the cluster client does for its own commands. Still
+                    # inside the call's deadline (_run); a second MOVED is a 503.
+                    if followed or not isinstance(cluster, RedisCluster):
+                        raise
+                    followed = True
+                    target = await self._moved_to(cluster, rkey, moved)
                     continue
                 if int(acked) < self._wait:
                     raise StoreError(
@@ -429,7 +484,28 @@ class RedisStore:
             if isinstance(cluster, RedisCluster):
                 await self._refresh_slots(cluster)  # MOVED, a dead node: the map is stale
             raise
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _moved_to(
+        self, cluster: RedisCluster, rkey: str, moved: rexc.MovedError
+    ) -> aioredis.Redis:
+        """The client of ``rkey``'s primary after ``moved``, with the slot map refreshed.
+
+        The address the MOVED names is the server's own answer, so it wins over a map
+        read from a node that may not have learnt the change yet; the map's node serves
+        when the MOVED names a node the map does not know.
+        """
+        await self._refresh_slots(cluster, wait=True)
+        node = cluster.get_node(host=moved.host, port=moved.port)
+        if node is None:
+            # A node the map did not have: the refresh waited for may have begun before
+            # the slot moved, so ask once more.
+            await self._refresh_slots(cluster, wait=True)
+            node = cluster.get_node(host=moved.host, port=moved.port)
+        if node is None:
+            node = cluster.get_node_from_key(rkey)
+        if node is None:
+            raise moved
+        return self._node_client(node)
 
     def _node_client(self, node: Any) -> aioredis.Redis:
         """A plain client of one cluster node, built from that node's own settings."""
@@ -441,8 +517,13 @@ class RedisStore:
             client = self._node_clients[node.name] = aioredis.Redis(connection_pool=pool)
         return client
 
-    async def _refresh_slots(self, cluster: RedisCluster) -> None:
+    async def _refresh_slots(self, cluster: RedisCluster, *, wait: bool = False) -> None:
+        """Ask a node for the slot map again; ``wait``: return only once a refresh has
+        ended (the one already in flight, if any), for a caller about to use the map."""
         if self._refreshing.locked():
+            if wait:
+                async with self._refreshing:
+                    pass  # the refresh in flight has ended: its map is the one to read
             return  # another request is already asking
         # Mid-failover it may fail too: the next request asks again.
         async with self._refreshing:
@@ -458,12 +539,20 @@ class RedisStore:
         return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
-        row = await self._run(self._insert, new.key, self._claim_args(new))
+        try:
+            row = await self._run(self._insert, new.key, self._claim_args(new))
+        except StoreError as exc:
+            self._orphaned(new, exc)
+            raise
         return None if row == 0 else _claimed(new.key, row)
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
         old = [expected.token, expected.status.value, _us(expected.locked_until)]
-        return bool(await self._run(self._replace, expected.key, old + self._claim_args(new)))
+        try:
+            return bool(await self._run(self._replace, expected.key, old + self._claim_args(new)))
+        except StoreError as exc:
+            self._orphaned(new, exc)
+            raise
 
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
@@ -477,6 +566,61 @@ class RedisStore:
 
     async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
         return bool(await self._run(self._renew, key, [token, _us(locked_until)]))
+
+    # Timed-out claims.
+
+    def _orphaned(self, new: NewClaim, exc: StoreError) -> None:
+        """Release ``new``'s claim in the background if its call timed out.
+
+        A timed-out claim was sent: a paused or overloaded server runs it when it gets
+        to it, after the request got its 503. The key would then hold a claim that no
+        handler owns and answer 409 until the lease ends. The token is this claim's
+        alone, so releasing by it (the fenced release script) deletes nothing but that
+        claim: not a row taken over since, nor one completed. The releases are retried
+        until the server answers, for at most the claim's lease (after it the claim
+        is abandoned and taken over anyway), and at most _ORPHANS_MAX wait at once.
+        Other failures are not ambiguous in the same way (refused, READONLY, MOVED: the
+        claim did not run) and keep the old behaviour.
+        """
+        if not isinstance(exc.__cause__, TimeoutError | rexc.TimeoutError):
+            return
+        lease = (new.locked_until - new.now).total_seconds()
+        if lease <= 0 or len(self._orphans) >= _ORPHANS_MAX:
+            return
+        loop = asyncio.get_running_loop()
+        self._orphans[(new.key, new.token)] = [loop.time() + lease, 0]
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep(), name="RedisStore._sweep")
+
+    async def _sweep(self) -> None:
+        """Release the timed-out claims until each is settled, backing off while the
+        server does not answer. Each release is one bounded store call."""
+        loop, pause = asyncio.get_running_loop(), 0.05
+        while self._orphans and loop is self._loop:
+            for (key, token), entry in list(self._orphans.items()):
+                if entry[0] <= loop.time():
+                    del self._orphans[(key, token)]  # its lease is over: taken over now
+                    _log_orphan(logging.INFO, "idempotency.timed_out_claim_unreleased", key,
+                                "the store did not answer within the claim's lease")  # fmt: skip
+                    continue
+                try:
+                    released = await self._run(self._release, key, [token])
+                except StoreError:
+                    break  # still down or paused: wait, then try every one again
+                if released:
+                    del self._orphans[(key, token)]
+                    _log_orphan(logging.WARNING, "idempotency.timed_out_claim_released", key,
+                                "a claim whose store call timed out (the request got 503) "
+                                "ran once the store answered again; released, so a retry "
+                                "of the key runs at once rather than after the lease")  # fmt: skip
+                else:
+                    entry[1] += 1
+                    if entry[1] >= _ORPHAN_MISSES:  # never ran, or no longer ours
+                        del self._orphans[(key, token)]
+            else:
+                pause = 0.05  # the server answered every release of this pass
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     # Off the hot path: SCAN over every primary (admin tools and tests).
 
@@ -593,12 +737,29 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and not sweeper.done():
+            # Closing drops the releases still pending: those keys keep their claim
+            # until the lease ends, as they would have without the sweeper.
+            sweeper.cancel()
+            if sweeper.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+        self._orphans = {}
         tenure, self._tenure, self._loop = self._tenure, None, None
         if tenure is None:  # never used: nothing is open, but close what was built
             await _close_clients(self.client if self._owns_client else None, self._node_clients)
         elif tenure.loop is asyncio.get_running_loop():
             await tenure.end()
         # Else the connections are another loop's, closed as that loop shuts down.
+
+
+def _log_orphan(level: int, event: str, key: str, hint: str) -> None:
+    """One line as the middleware's events are (docs/operations.md, Log events): the
+    event, the key's digest (never the key), then `` -- `` and what happened."""
+    digest = key[:16]
+    logger.log(level, "%s key_digest=%s -- %s", event, digest, hint,
+               extra={"event": event, "key_digest": digest})  # fmt: skip
 
 
 async def _close_clients(client: _Client | None, node_clients: dict[str, aioredis.Redis]) -> None:
@@ -640,6 +801,17 @@ def _make_client(url: str, command_timeout: float) -> _Client:
         "retry": retry,
     }
     if cluster:
+        # The cluster client redirects, refreshes its slot map and retries inside one
+        # call, each attempt with its own socket timeout, so a hung node took a multiple
+        # of command_timeout to fail. The store bounds each whole call as on one server
+        # (_run, _call, _scan); the socket timeout stays as a backstop for anything the
+        # client reads outside a store call. A cancelled call is safe on the cluster
+        # client too: a ClusterNode sends and reads on a Connection whose send_packed_command
+        # and read_response disconnect it on any BaseException, CancelledError included,
+        # before the node puts it back in its free queue (so it reconnects on next use),
+        # and a slot-map refresh swaps the new map in only once it is complete.
+        # tests/stores/test_redis.py::test_a_hung_cluster_node_is_a_503_within_the_command_timeout
+        # reads every reply after such cancellations.
         return RedisCluster.from_url(redis_url, **options)
     # One server: no socket_timeout (redis-py's default is 5 s). With one, redis-py
     # wraps every send in asyncio.wait_for, a Task and a loop pass of its own, and every
@@ -648,7 +820,5 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     # _call), so a hung server is still a StoreError, and sooner: the bound covers the
     # retries, where a socket timeout applied to each attempt. Cancelled mid-send or
     # mid-read, redis-py disconnects the connection, so no reply is left in flight.
-    # The cluster client keeps its socket timeout: it redirects and retries inside one
-    # call, and is not asked to survive a cancellation there.
     options["socket_timeout"] = None
     return aioredis.Redis.from_url(redis_url, **options)
