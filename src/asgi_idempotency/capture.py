@@ -63,7 +63,8 @@ async def send_replay(send: Send, response: StoredResponse, request_headers: Hea
     """
     headers, body = response.headers, response.body
     for name, value in headers:
-        if name.lower() == b"content-encoding":
+        # The first byte first: most names are not "content-encoding" in any case.
+        if name[:1] in b"cC" and name.lower() == b"content-encoding":
             coding = value.strip().lower()
             if coding not in (b"", b"identity") and not _accepts(request_headers, coding):
                 decoded = _decode(coding, body)

@@ -108,8 +108,8 @@ class Observer:
         self.counts.observe(route, outcome)
         if self.sink is not None:
             self.sink.observe(route, outcome)
-        if tracing.ENABLED:
-            tracing.annotate(outcome=outcome.value, route=route)
+        if tracing.ENABLED and (span := tracing.recording()) is not None:
+            tracing.annotate(span, outcome=outcome.value, route=route)
 
     def log(
         self, level: int, event: str, route: str, key: str, *, hint: str = "", **fields: Any

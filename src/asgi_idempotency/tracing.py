@@ -16,6 +16,7 @@ the scoped key, as the logs print it; never the key), ``idempotency.taken_over``
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -27,13 +28,17 @@ except ImportError:  # the otel extra is optional
 __all__ = ["ENABLED", "annotate", "recording", "store_span"]
 
 ENABLED = trace is not None
+# The API loads a provider named by this variable on first use: then it can't be ruled out.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 _NOTHING: AbstractContextManager[Any] = nullcontext()
 _tracer: Any = None
 
 
 def _span() -> Any:
     """The current span if it records, else ``None``."""
-    if trace is None:
+    if trace is None or (trace._TRACER_PROVIDER is None and not _PROVIDER_FROM_ENV):
+        # No provider set: only the API's stand-in answers, and nothing records. A
+        # module global read, where a context lookup costs a dozen calls per request.
         return None
     span = trace.get_current_span()
     return span if span.is_recording() else None
