@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -421,3 +422,22 @@ async def test_claims_keep_answering_while_a_million_expired_rows_are_pruned(
         )
     async with pg_store.engine.begin() as conn:
         await conn.execute(text("TRUNCATE idempotency_records"))
+
+
+async def test_the_lifespan_recipe_prunes_a_fresh_sqlite_store_without_a_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The documented recipe starts the pruner in the app's own lifespan, before the
+    middleware has created the SQLite table: its first run must not fail."""
+    caplog.set_level(logging.WARNING, logger="asgi_idempotency")
+    store = SQLStore(f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}")
+    try:
+        async with Pruner(store, interval=3600) as pruner:
+            for _ in range(500):
+                if pruner.runs >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert pruner.runs >= 1
+    finally:
+        await store.close()
+    assert not [r for r in caplog.records if "prune_failed" in r.getMessage()]

@@ -32,7 +32,7 @@ from typing import Any
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import StoreError
 from .lifecycle import RecordState, state
-from .stores.base import RecordStatus, Store, utcnow
+from .stores.base import PreparedStore, RecordStatus, Store, utcnow
 
 __all__ = [
     "ProgressFunc",
@@ -234,6 +234,12 @@ class Pruner:
         return deleted
 
     async def _loop(self) -> None:
+        if isinstance(self.store, PreparedStore):
+            # In the app's own lifespan the pruner starts before the middleware prepares
+            # the store: on the SQLite default the table may not exist yet. Preparing is
+            # idempotent and safe beside the middleware's; a failure shows in the run.
+            with suppress(StoreError):
+                await self.store.prepare()
         while True:  # bounded by the context: stop() cancels it
             try:
                 await self.run_once()
