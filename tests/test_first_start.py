@@ -33,6 +33,7 @@ from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
 from asgi_idempotency.migrations import VERSION_TABLE, head
 from asgi_idempotency.stores.schema import metadata
 from tests.conftest import PgServer
+from tests.lifespan import start
 
 pytestmark = pytest.mark.anyio
 
@@ -64,23 +65,6 @@ def guarded_app(store: SQLStore, events: list[str] | None = None, **kwargs: Any)
         ],
         lifespan=lifespan,
     )
-
-
-async def start(app: Any) -> tuple[dict[str, Any], Any]:
-    """Send ``lifespan.startup``; return the first answer and a function that shuts down."""
-    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-    task = asyncio.create_task(app(scope, inbox.get, outbox.put))
-    await inbox.put({"type": "lifespan.startup"})
-    answer = await asyncio.wait_for(outbox.get(), 10)
-
-    async def stop() -> None:
-        if not task.done():
-            await inbox.put({"type": "lifespan.shutdown"})
-        await asyncio.wait_for(task, 10)
-
-    return answer, stop
 
 
 def client(app: Any) -> httpx.AsyncClient:
