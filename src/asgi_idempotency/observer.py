@@ -18,6 +18,7 @@ from typing import Any
 from . import tracing
 from .errors import SchemaMissing
 from .metrics import InMemoryMetrics, MetricsSink, Outcome
+from .tracing import trace as _otel
 
 __all__ = ["Observer", "logger"]
 
@@ -108,8 +109,11 @@ class Observer:
         self.counts.observe(route, outcome)
         if self.sink is not None:
             self.sink.observe(route, outcome)
-        if tracing.ENABLED and (span := tracing.recording()) is not None:
-            tracing.annotate(span, outcome=outcome.value, route=route)
+        # Inlined tracing.live(): a global read per outcome when no tracer is set.
+        if _otel is not None and _otel._TRACER_PROVIDER is not None:
+            span = tracing.recording()
+            if span is not None:
+                tracing.annotate(span, outcome=outcome.value, route=route)
 
     def log(
         self, level: int, event: str, route: str, key: str, *, hint: str = "", **fields: Any

@@ -25,18 +25,26 @@ try:
 except ImportError:  # the otel extra is optional
     trace = None  # type: ignore[assignment]
 
-__all__ = ["ENABLED", "annotate", "recording", "store_span"]
+__all__ = ["ENABLED", "annotate", "live", "recording", "store_span", "trace"]
 
 ENABLED = trace is not None
-# The API loads a provider named by this variable on first use: then it can't be ruled out.
-_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+# The API loads a provider named by this variable on first use: load it now, so that
+# "no provider set" below stays a plain global read.
+if trace is not None and "OTEL_PYTHON_TRACER_PROVIDER" in os.environ:
+    trace.get_tracer_provider()
+
+
+def live() -> bool:
+    """Whether a tracer provider is set (else nothing can record). The request path
+    inlines this test: ``tracing.trace is not None and tracing.trace._TRACER_PROVIDER``."""
+    return trace is not None and trace._TRACER_PROVIDER is not None
 _NOTHING: AbstractContextManager[Any] = nullcontext()
 _tracer: Any = None
 
 
 def _span() -> Any:
     """The current span if it records, else ``None``."""
-    if trace is None or (trace._TRACER_PROVIDER is None and not _PROVIDER_FROM_ENV):
+    if trace is None or trace._TRACER_PROVIDER is None:
         # No provider set: only the API's stand-in answers, and nothing records. A
         # module global read, where a context lookup costs a dozen calls per request.
         return None
