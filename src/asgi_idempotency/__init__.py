@@ -22,9 +22,12 @@ if TYPE_CHECKING:
     from .errors import (
         BodyTooLarge,
         IdempotencyError,
+        InProgress,
         InvalidKey,
         KeyMismatch,
+        KeyReused,
         MissingKey,
+        OnceError,
         PrincipalMisconfigured,
         PrincipalMissing,
         RequestInProgress,
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from .lifecycle import Claim, ClaimOutcome, RecordState
     from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
     from .middleware import IdempotencyMiddleware
+    from .once import Once
     from .policy import Policy, idempotent
     from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
     from .retention import Pruner, PruningMiddleware, prune_all
@@ -64,12 +68,16 @@ __all__ = [
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
+    "InProgress",
     "InvalidKey",
     "KeyMismatch",
+    "KeyReused",
     "MemoryStore",
     "MetricsSnapshot",
     "MissingKey",
     "NewClaim",
+    "Once",
+    "OnceError",
     "Outcome",
     "Policy",
     "PreparedStore",
@@ -106,6 +114,7 @@ _WHERE = {
     "MetricsSnapshot": ".metrics",
     "Outcome": ".metrics",
     "IdempotencyMiddleware": ".middleware",
+    "Once": ".once",
     "Policy": ".policy",
     "idempotent": ".policy",
     "PrometheusMetrics": ".prometheus",
@@ -116,6 +125,9 @@ _WHERE = {
     "IdempotencyError": ".errors",
     "InvalidKey": ".errors",
     "KeyMismatch": ".errors",
+    "InProgress": ".errors",
+    "KeyReused": ".errors",
+    "OnceError": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",
