@@ -466,8 +466,10 @@ def _qualname(fn: Callable[..., Any]) -> str:
 
 
 def _key_of(key: object) -> str:
-    if not isinstance(key, str) or not key:
-        raise TypeError(f"a key is a non-empty str, got {type(key).__name__}")
+    if not isinstance(key, str):
+        raise TypeError(f"a key is a str, got {type(key).__name__}")
+    if not key:
+        raise ValueError("a key is a non-empty str")
     return key
 
 
