@@ -1,13 +1,17 @@
-"""The function guard's examples run as printed (``python -m examples.<name>``).
+"""The function guard's examples and its README section run as printed.
 
-Each runs twice in a fresh directory on its SQLite default: the first run does the
-work once for all its duplicate deliveries or firings, the second only replays.
+Each example (``python -m examples.<name>``) runs twice in a fresh directory on its
+SQLite default: the first run does the work once for all its duplicate deliveries or
+firings, the second only replays. Every code block of the README's section runs as a
+script (python) or as commands (bash), warnings as errors.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +19,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## Beyond HTTP: the function guard"
+
+
+def run_python(args: list[str], cwd: Path) -> list[str]:
+    """``python -W error ARGS`` in ``cwd``, as a user runs it; its output's lines."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    env.pop("IDEMPOTENCY_DATABASE_URL", None)  # the examples' own default, as printed
+    done = subprocess.run(
+        [sys.executable, "-W", "error", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+    return done.stdout.splitlines()
 
 
 def run_example(name: str, cwd: Path) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    env.pop("IDEMPOTENCY_DATABASE_URL", None)  # the example's own default, as printed
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-m", f"examples.{name}"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stderr == ""
-    return done.stdout.splitlines()
+    return run_python(["-m", f"examples.{name}"], cwd)
 
 
 def last_list(lines: list[str], label: str) -> list[str]:
@@ -51,3 +61,29 @@ def test_an_example_does_the_work_once_and_a_second_run_replays(
     assert done == first if first is not None else len(done) == 1
     assert last_list(again, label) == []
     assert len(once) == len(again)  # every delivery or firing answered, both times
+
+
+def section_blocks() -> list[tuple[str, str]]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index(f"\n{SECTION}\n")
+    end = readme.index("\n## ", start + len(SECTION))
+    return re.findall(r"^```(\w+)\n(.*?)^```", readme[start:end], re.S | re.M)
+
+
+def test_the_section_has_its_blocks() -> None:
+    assert [lang for lang, _ in section_blocks()] == ["python", "python", "bash"]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_every_code_block_of_the_readme_section_runs_as_printed(
+    index: int, tmp_path: Path
+) -> None:
+    lang, code = section_blocks()[index]
+    if lang == "python":
+        (tmp_path / "block.py").write_text(code, encoding="utf-8")
+        run_python(["block.py"], tmp_path)
+        return
+    for line in code.splitlines():
+        command = shlex.split(line)
+        assert command[0] == "python", line
+        run_python(command[1:], tmp_path)
