@@ -134,7 +134,7 @@ async def test_a_storm_that_waits_gets_the_one_result(store: Store) -> None:
         return {"refund": msg["order"], "amount_p": msg["amount_p"]}
 
     tasks = [asyncio.create_task(handle(MSG)) for _ in range(STORM)]
-    await entered.wait()
+    await asyncio.wait_for(entered.wait(), 30)
     await asyncio.sleep(5 * POLL)  # the others are polling the held key by now
     gate.set()
     assert await asyncio.gather(*tasks) == [REFUND] * STORM
@@ -220,7 +220,7 @@ async def test_the_lease_is_renewed_while_the_function_runs(store: Store) -> Non
         return "done"
 
     task = asyncio.create_task(slow())
-    await entered.wait()
+    await asyncio.wait_for(entered.wait(), 30)
     first = await store.get(key)
     assert first is not None
 
@@ -399,7 +399,7 @@ async def test_a_cancelled_call_keeps_its_claim_until_the_lease_ends(
         return "charged"
 
     task = asyncio.create_task(charge("s3cr3t-argument"))
-    await entered.wait()
+    await asyncio.wait_for(entered.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
