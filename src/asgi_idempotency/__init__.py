@@ -22,10 +22,13 @@ if TYPE_CHECKING:
     from .errors import (
         BodyTooLarge,
         IdempotencyError,
+        InProgress,
         InvalidKey,
         InvalidSignature,
         KeyMismatch,
+        KeyReused,
         MissingKey,
+        OnceError,
         PrincipalMisconfigured,
         PrincipalMissing,
         RequestInProgress,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from .lifecycle import Claim, ClaimOutcome, RecordState
     from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
     from .middleware import IdempotencyMiddleware
+    from .once import Once
     from .policy import Policy, idempotent
     from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
     from .retention import Pruner, PruningMiddleware, prune_all
@@ -65,13 +69,17 @@ __all__ = [
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
+    "InProgress",
     "InvalidKey",
     "InvalidSignature",
     "KeyMismatch",
+    "KeyReused",
     "MemoryStore",
     "MetricsSnapshot",
     "MissingKey",
     "NewClaim",
+    "Once",
+    "OnceError",
     "Outcome",
     "Policy",
     "PreparedStore",
@@ -108,6 +116,7 @@ _WHERE = {
     "MetricsSnapshot": ".metrics",
     "Outcome": ".metrics",
     "IdempotencyMiddleware": ".middleware",
+    "Once": ".once",
     "Policy": ".policy",
     "idempotent": ".policy",
     "PrometheusMetrics": ".prometheus",
@@ -119,6 +128,9 @@ _WHERE = {
     "InvalidKey": ".errors",
     "InvalidSignature": ".errors",
     "KeyMismatch": ".errors",
+    "InProgress": ".errors",
+    "KeyReused": ".errors",
+    "OnceError": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",

@@ -16,6 +16,16 @@
         └── StoreError               raised by a store: unreachable, timed out, driver error
             └── SchemaMissing        the table or its migration is missing: names the fix
 
+    OnceError                   the function guard's answers (asgi_idempotency.Once)
+    ├── InProgress              same key still running elsewhere (retry_after, seconds)
+    └── KeyReused               same key, other arguments or another function
+
+The function guard's answers are a root of their own, not ``IdempotencyError`` s: they
+are raised to a caller in the same process, never rendered as HTTP problems, and an
+app's handler for ``IdempotencyError`` must not turn a function call's ``InProgress``
+into a 409 of the request that made it. A store failure under the function guard is
+the same :class:`StoreError` as anywhere (the function did not run).
+
 Stores translate their driver's exceptions into :class:`StoreError` at their own
 boundary (``raise StoreError(...) from exc``), so nothing above ``stores/`` ever
 catches a driver type. The client half (``asgi_idempotency.client``) has errors of
@@ -39,10 +49,13 @@ from .asgi import Send, send_response
 __all__ = [
     "BodyTooLarge",
     "IdempotencyError",
+    "InProgress",
     "InvalidKey",
     "InvalidSignature",
     "KeyMismatch",
+    "KeyReused",
     "MissingKey",
+    "OnceError",
     "PrincipalMisconfigured",
     "PrincipalMissing",
     "RequestInProgress",
@@ -225,3 +238,27 @@ class SchemaMissing(StoreError):
     (and logs the message), or answers 503 with the ``detail`` when the app runs
     without a lifespan.
     """
+
+
+class OnceError(Exception):
+    """Base of the function guard's answers (:class:`~asgi_idempotency.Once`).
+
+    Messages name the key's digest (the first 16 hex digits of its record key) and the
+    namespace, never the raw key or the arguments: they are for logs.
+    """
+
+
+class InProgress(OnceError):
+    """Another call holds the key and is running (its lease is live).
+
+    ``retry_after``: seconds to wait before calling again, never past the holder's lease.
+    """
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class KeyReused(OnceError):
+    """The key was used with other arguments, or by another function: a new call
+    needs a new key. The stored result is never returned for a different call."""

@@ -38,13 +38,17 @@ from asgi_idempotency import (
     IdempotencyError,
     IdempotencyMiddleware,
     InMemoryMetrics,
+    InProgress,
     InvalidKey,
     InvalidSignature,
     KeyMismatch,
+    KeyReused,
     MemoryStore,
     MetricsSnapshot,
     MissingKey,
     NewClaim,
+    Once,
+    OnceError,
     Outcome,
     Policy,
     PreparedStore,
@@ -275,6 +279,45 @@ async def retention(store: Store) -> int:
     pruner.wake()
     Pruner(store, interval=timedelta(minutes=1))  # type: ignore[arg-type]  # seconds
     return deleted
+
+
+# --- the function guard ---------------------------------------------------------
+
+
+async def function_guard(store: Store) -> int:
+    once = Once(
+        store, ttl=timedelta(hours=24), lease=timedelta(seconds=30), namespace="refunds",
+        wait=timedelta(seconds=5), retry_after=0.5, clock=lambda: NOW,
+    )  # fmt: skip
+
+    @once(key=lambda msg: msg["id"], exclude=("session",))
+    async def handle(msg: dict[str, str], session: object = None) -> int:
+        return len(msg)
+
+    @once(key=lambda slot: f"nightly:{slot}", namespace="cron", wait=timedelta(minutes=1))
+    def nightly(slot: str) -> str:
+        return slot
+
+    async def issue_refund(order: str, amount_p: int) -> dict[str, int]:
+        return {order: amount_p}
+
+    assert_type(await handle({"id": "m1"}), int)
+    assert_type(nightly("2026-12-04T02:00Z"), str)
+    refund = await once.call("refund:A-88214", issue_refund, order="A-88214", amount_p=4500)
+    assert_type(refund, dict[str, int])
+    assert_type(once.call_sync("k", nightly, "slot"), str)
+    await once.call("k", issue_refund, order="A-1", amount_p="45")  # type: ignore[arg-type]  # the function's own types
+    await handle("m1")  # type: ignore[arg-type]  # the decorated signature is kept
+    Once(store, wait=5)  # type: ignore[arg-type]  # a timedelta, as Policy's durations
+    once.close()
+    try:
+        return await handle({"id": "m2"})
+    except InProgress as exc:
+        assert_type(exc.retry_after, float)
+        raise
+    except KeyReused as exc:
+        reused: OnceError = exc
+        raise reused from None
 
 
 # --- errors --------------------------------------------------------------------

@@ -1,0 +1,483 @@
+"""The function guard: run a function once per key, over the same stores and lifecycle.
+
+Queue consumers, scheduled jobs and agent tools meet the same duplicates as HTTP
+handlers, without a request. :class:`Once` is a second caller of
+:func:`.lifecycle.claim` (the responder is the first), so every rule about what a
+stored record means lives there, once:
+
+    claim ─┬─ CLAIMED / TAKEN_OVER ─► run the function (lease renewed meanwhile)
+           │                          ├─ returned: its result, encoded, completes the key
+           │                          └─ raised:   the key is released, the error re-raised
+           ├─ COMPLETED ─► the stored result, decoded (the function does not run)
+           ├─ MISMATCH ──► KeyReused
+           └─ IN_PROGRESS ─► InProgress(retry_after), or poll until ``wait`` runs out
+
+The record's request hash is a fingerprint of the call: SHA-256 of the canonical JSON
+of the function's qualified name and its bound arguments, defaults applied. The result
+is the record's body (``StoredResponse(200, (), body)``), encoded by the codec.
+
+Synchronous functions run in the calling thread; their store calls run on an event
+loop of the :class:`Once`'s own, in a thread of its own, because a store serves one
+event loop at a time (:mod:`.stores.loops`): ``asyncio.run`` per call from several
+threads would drive one store from several loops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Collection, Coroutine
+from concurrent.futures import Future
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast
+
+import orjson
+
+from . import lifecycle
+from .canonical import canonical_json
+from .errors import InProgress, KeyReused, StoreError
+from .lease import LeaseRenewals, Renewal
+from .lifecycle import ClaimOutcome
+from .observer import Observer
+from .policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
+from .stores.base import Store, StoredResponse, utcnow
+
+__all__ = ["Codec", "InProgress", "KeyReused", "Once"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class Codec(Protocol):
+    """How a result becomes the record's bytes and back (the default: ``orjson``)."""
+
+    def dumps(self, value: Any, /) -> bytes: ...
+
+    def loads(self, data: bytes, /) -> Any: ...
+
+
+class _ORJSON:
+    """orjson: JSON types, plus what orjson serialises natively (returned as JSON)."""
+
+    __slots__ = ()
+
+    def dumps(self, value: Any, /) -> bytes:
+        return orjson.dumps(value)
+
+    def loads(self, data: bytes, /) -> Any:
+        return orjson.loads(data)
+
+
+def record_key(namespace: str, key: str) -> str:
+    """The record's primary key: a digest of (namespace, key), never the raw key.
+
+    Built as :func:`.keys.scoped_key` is, length-prefixed, with the namespace in the
+    principal's place; its material starts with ``o`` where scoped_key's starts with a
+    digit or ``h``, so a function's record never shares a key with a request's even
+    when the middleware and the function guard share one store.
+    """
+    material = f"o{len(namespace)}:{namespace}\x00{key}"
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+def fingerprint(
+    name: str,
+    signature: inspect.Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    exclude: Collection[str] = (),
+) -> str:
+    """SHA-256 hex of the canonical JSON of ``name`` and the call's bound arguments.
+
+    Bound through ``signature`` with defaults applied, so ``f(1)``, ``f(x=1)`` and
+    ``f(1, y=<its default>)`` are one call.
+
+    Raises:
+        TypeError: the arguments do not fit the signature (as calling it would).
+        CanonicalJSONError: an argument has no canonical JSON form (convert it first,
+            or name its parameter in ``exclude``).
+    """
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = {k: v for k, v in bound.arguments.items() if k not in exclude}
+    return hashlib.sha256(canonical_json([name, arguments])).hexdigest()
+
+
+class _Call(NamedTuple):
+    """One guarded call, as the store steps see it."""
+
+    key: str  # the record key (a digest)
+    fingerprint: str
+    namespace: str  # logged as the route: the programmer's name, not the caller's data
+    wait: timedelta | None
+
+
+class _Owned(NamedTuple):
+    token: str
+    renewal: Renewal
+
+
+class _LoopThread:
+    """An event loop in a daemon thread, for the store calls of synchronous functions."""
+
+    def __init__(self) -> None:
+        started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = Future()
+        self.thread = threading.Thread(
+            target=self._run, args=(started,), name="asgi-idempotency-once", daemon=True
+        )
+        self.thread.start()
+        self.loop, self._stop = started.result()
+
+    def _run(self, started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+        # asyncio.Runner's close cancels what is left and runs shutdown_asyncgens, where
+        # the stores close the connections they opened on this loop (stores/loops.py).
+        with asyncio.Runner() as runner:
+            runner.run(self._serve(started))
+
+    async def _serve(
+        self, started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
+    ) -> None:
+        stop = asyncio.Event()
+        started.set_result((asyncio.get_running_loop(), stop))
+        await stop.wait()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join()
+
+
+class Once:
+    """Run functions at most once per key, their results stored and returned again.
+
+    ``Once(store, ttl=timedelta(hours=24), lease=timedelta(seconds=30))``, then guard a
+    function with ``@once(key=...)`` or call one with ``await once.call(key, fn, ...)``.
+
+    Args:
+        store: any :class:`~.stores.base.Store` (shared with the middleware or not:
+            function records have keys of their own).
+        ttl: how long a result is kept and returned again (default 24 hours).
+        lease: how long a running call holds its key without renewal before another
+            may take it over (default: the smaller of 30 s and ``ttl``); renewed
+            every third of it while the function runs, so it bounds a dead holder's
+            silence, not the function's run time. Both validated as :class:`.Policy`'s.
+        namespace: scopes the keys; default, per function, its module and qualified name.
+            Two functions given one namespace and one key raise :class:`KeyReused`.
+        wait: how long a call polls a key another holder is running before it raises
+            :class:`InProgress` (default ``None``: raise at once).
+        retry_after: seconds :class:`InProgress` suggests, capped by the holder's lease,
+            and between polls (default 1.0, as the middleware's).
+        codec: ``dumps``/``loads`` between a result and bytes (default orjson: JSON
+            values). Every call returns the result after a trip through the codec,
+            the first included, so a result it does not round-trip shows at once.
+        clock: the current aware UTC time (tests).
+
+    Raises:
+        TypeError, ValueError: as :class:`.Policy` for ``ttl``/``lease``/``wait``; an
+            empty namespace.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ttl: timedelta = _DEFAULT_TTL,
+        lease: timedelta = _LEASE_NOT_GIVEN,
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        retry_after: float = 1.0,
+        codec: Codec | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        policy = Policy(ttl=ttl, lease=lease)  # the same rules, and the same lease default
+        self.store = store
+        self.ttl, self.lease, self._renew_every = policy.ttl, policy.lease, policy.renew_every
+        self.namespace = None if namespace is None else _namespace(namespace)
+        self.wait = _wait(wait)
+        self.retry_after = retry_after
+        self.codec: Codec = _ORJSON() if codec is None else codec
+        self.clock = clock
+        self._observer = Observer(None)
+        self._renewals = LeaseRenewals(store, clock=clock, observer=self._observer)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._thread: _LoopThread | None = None
+        self._thread_lock = threading.Lock()
+
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        exclude: Collection[str] = (),
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Guard a function, async or sync; ``key`` takes the call's own arguments.
+
+        ``exclude`` names parameters left out of the fingerprint (a session, a logger).
+        A sync function runs in its caller's thread, which may have no event loop.
+        """
+        wait_ = self.wait if wait is None else _wait(wait)
+        given = self.namespace if namespace is None else _namespace(namespace)
+        excluded = frozenset(exclude)
+
+        def guard(fn: Callable[P, R]) -> Callable[P, R]:
+            signature = inspect.signature(fn)
+            name = _qualname(fn)
+            space = given or f"{fn.__module__}.{name}"
+
+            def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+                return _Call(
+                    record_key(space, _key_of(key(*args, **kwargs))),
+                    fingerprint(name, signature, args, kwargs, excluded),
+                    space,
+                    wait_,
+                )
+
+            if inspect.iscoroutinefunction(fn):
+                run = cast(Callable[P, Awaitable[Any]], fn)
+
+                @functools.wraps(fn)
+                async def guarded_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+                    call = prepare(args, kwargs)
+                    return await self._run(call, functools.partial(run, *args, **kwargs))
+
+                return cast(Callable[P, R], guarded_async)
+
+            @functools.wraps(fn)
+            def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+                call = prepare(args, kwargs)
+                return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
+
+            return guarded
+
+        return guard
+
+    async def call(
+        self, key: str, fn: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """Run ``await fn(*args, **kwargs)`` once for ``key``; its result, or the stored one.
+
+        Raises:
+            KeyReused: ``key`` was used with other arguments (or another function).
+            InProgress: another holder runs it (after ``wait``, if set); ``retry_after``.
+            StoreError: the store failed before the function ran (it did not run).
+            CanonicalJSONError, TypeError: the arguments (see :func:`fingerprint`).
+            Whatever ``fn`` raises, after the key is released.
+        """
+        call = self._prepare(key, fn, args, kwargs)
+        return cast(R, await self._run(call, functools.partial(fn, *args, **kwargs)))
+
+    def call_sync(self, key: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """:meth:`call` for a synchronous function, from a thread (event loop or not)."""
+        call = self._prepare(key, fn, args, kwargs)
+        return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
+
+    def close(self) -> None:
+        """Stop the event loop of synchronous calls, if one was started (idempotent).
+
+        The store's connections opened on that loop are closed as it shuts down; the
+        store itself stays open (it is the caller's).
+        """
+        with self._thread_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.close()
+
+    # -- the steps, each on the loop that drives the store -------------------------
+
+    def _prepare(
+        self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _Call:
+        name = _qualname(fn)
+        space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
+        digest = fingerprint(name, inspect.signature(fn), args, kwargs)
+        return _Call(record_key(space, _key_of(key)), digest, space, self.wait)
+
+    async def _run(self, call: _Call, fn: Callable[[], Awaitable[Any]]) -> Any:
+        got = await self._on_store_loop(self._claim(call))
+        if isinstance(got, bytes):
+            return self.codec.loads(got)
+        try:
+            result = await fn()
+        except Exception:
+            await self._on_store_loop(self._release(call, got))
+            raise
+        except BaseException:
+            # Cancelled (or interrupted) part-way: the effect may or may not have
+            # happened. As the HTTP side does, the claim stays until its lease ends
+            # rather than inviting a rerun now; then a later call takes it over.
+            self._on_loop_of_store(self._abandon, call, got)
+            raise
+        return await self._on_store_loop(self._finish(call, got, result))
+
+    def _run_sync(self, call: _Call, fn: Callable[[], Any]) -> Any:
+        thread = self._loop_thread()
+        got = thread.submit(self._claim(call))
+        if isinstance(got, bytes):
+            return self.codec.loads(got)
+        try:
+            result = fn()
+        except Exception:
+            thread.submit(self._release(call, got))
+            raise
+        except BaseException:
+            thread.loop.call_soon_threadsafe(self._abandon, call, got)
+            raise
+        return thread.submit(self._finish(call, got, result))
+
+    async def _claim(self, call: _Call) -> bytes | _Owned:
+        """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if call.wait is None else loop.time() + call.wait.total_seconds()
+        while True:
+            now = self.clock()
+            token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
+            claim = await lifecycle.claim(
+                self.store, call.key, call.fingerprint, token,
+                now=now, locked_until=now + self.lease, expires_at=now + self.ttl,
+            )  # fmt: skip
+            outcome = claim.outcome
+            if claim.owned:
+                if outcome is ClaimOutcome.TAKEN_OVER:
+                    self._log(logging.WARNING, "idempotency.takeover", call, outcome="taken_over")
+                renewal = self._renewals.start(
+                    call.key, token, self.lease, self._renew_every, call.namespace
+                )
+                return _Owned(token, renewal)
+            record = claim.record
+            if outcome is ClaimOutcome.COMPLETED:
+                assert record is not None
+                assert record.response is not None
+                return record.response.body
+            if outcome is ClaimOutcome.MISMATCH:
+                self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
+                raise KeyReused(
+                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
+                    "with other arguments or another function; use a new key for a new call"
+                )
+            wait = lifecycle.in_progress_wait(record, now, self.retry_after)
+            left = None if deadline is None else deadline - loop.time()
+            if left is None or left <= 0:
+                raise InProgress(
+                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
+                    f"by a running call; retry in {wait:.3g} s",
+                    retry_after=wait,
+                )
+            await asyncio.sleep(max(0.0, min(wait, left)))
+
+    async def _finish(self, call: _Call, owned: _Owned, result: Any) -> Any:
+        """Complete the key with ``result``; return it as a replay would (via the codec)."""
+        owned.renewal.stop(owned.token)
+        try:
+            body = self.codec.dumps(result)
+        except Exception:
+            # Nothing can be stored: released as if the function had raised, so the
+            # error shows on the first call, not as a broken replay later.
+            await self._release(call, owned)
+            raise
+        stored = StoredResponse(200, (), body)
+        expires_at = self.clock() + self.ttl
+        try:
+            done = await self._shielded(
+                call, "complete",
+                self.store.complete(call.key, owned.token, stored, expires_at=expires_at),
+            )  # fmt: skip
+        except StoreError as exc:
+            # The function ran: its result is the caller's even though it is not stored.
+            # The claim stays in progress until its lease ends (README: guarantees).
+            self._observer.store_error(call.namespace, call.key, "complete", exc)
+        else:
+            if not done:
+                self._log(logging.ERROR, "idempotency.claim_lost", call, phase="complete")
+        return self.codec.loads(body)
+
+    async def _release(self, call: _Call, owned: _Owned) -> None:
+        owned.renewal.stop(owned.token)
+        try:
+            await self._shielded(call, "release", self.store.release(call.key, owned.token))
+        except StoreError as exc:
+            # The function's own error is the one raised; the claim lapses after a lease.
+            self._observer.store_error(call.namespace, call.key, "release", exc)
+
+    def _abandon(self, call: _Call, owned: _Owned) -> None:
+        owned.renewal.stop(owned.token)
+        self._log(logging.WARNING, "idempotency.cancelled", call)
+
+    async def _shielded(self, call: _Call, phase: str, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` to the end even if the caller is cancelled meanwhile.
+
+        Both statements are fenced by the claim's token: finishing one after its caller
+        has gone changes nothing the caller had not asked for.
+        """
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(functools.partial(self._log_failure, call, phase))
+            raise
+
+    def _log_failure(self, call: _Call, phase: str, task: asyncio.Task[Any]) -> None:
+        # Nobody awaits the task any more: its failure would otherwise go unseen.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._observer.store_error(call.namespace, call.key, phase, exc, after="cancelled")
+
+    def _log(self, level: int, event: str, call: _Call, **fields: Any) -> None:
+        self._observer.log(level, event, call.namespace, call.key, **fields)
+
+    # -- which event loop drives the store ------------------------------------------
+
+    def _loop_thread(self) -> _LoopThread:
+        with self._thread_lock:
+            if self._thread is None:
+                self._thread = _LoopThread()
+            return self._thread
+
+    async def _on_store_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the loop that drives the store.
+
+        The caller's loop, until synchronous calls have started this guard's own loop;
+        from then on that one, so that the store never serves two loops at once.
+        """
+        thread = self._thread
+        if thread is None or asyncio.get_running_loop() is thread.loop:
+            return await coro
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, thread.loop))
+
+    def _on_loop_of_store(self, fn: Callable[..., None], *args: Any) -> None:
+        thread = self._thread
+        if thread is None:
+            fn(*args)
+        else:
+            thread.loop.call_soon_threadsafe(fn, *args)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__qualname__))
+
+
+def _key_of(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"a key is a str, got {type(key).__name__}")
+    if not key:
+        raise ValueError("a key is a non-empty str")
+    return key
+
+
+def _namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError("namespace must be a non-empty str")
+    return namespace
+
+
+def _wait(wait: timedelta | None) -> timedelta | None:
+    return None if wait is None else _duration("wait", wait)
