@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]

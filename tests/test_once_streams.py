@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from asgi_idempotency import Once
 from asgi_idempotency.stores.redis import RedisStore
-from bench.redis_servers import start_server
+from tests.redis_servers import start_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
