@@ -160,8 +160,16 @@ def alembic_config(url: str) -> Config:
 
 
 @functools.cache
+@functools.cache
 def _scripts() -> ScriptDirectory:
+    # Read once per process: the package's migrations do not change while it runs, and
+    # parsing them is the slow part of stamping a fresh database.
     return ScriptDirectory(SCRIPT_LOCATION)
+
+
+def warm() -> None:
+    """Load the migration scripts now (a SQLite store does before it takes the write lock)."""
+    _scripts().get_current_head()
 
 
 def head() -> str:

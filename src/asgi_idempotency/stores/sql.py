@@ -218,6 +218,12 @@ class SQLStore:
             self._enter()
         try:
             if self.dialect == "sqlite":
+                # Workers starting together queue for the write lock below: load what
+                # stamping the head needs (alembic, the migration scripts) before taking
+                # it, not while the others wait.
+                from ..migrations import warm
+
+                await asyncio.to_thread(warm)
                 # pysqlite opens no transaction for DDL, and a deferred one would let two
                 # workers both see no table: take SQLite's write lock first (busy timeout).
                 async with self._autocommit.connect() as conn:

@@ -420,9 +420,10 @@ def pragmas(timeout: float) -> Callable[[Any, Any], None]:
         # WAL lets readers run beside the one writer; busy_timeout makes concurrent
         # workers wait for the write lock instead of failing with "database is locked".
         # It replaces the handler sqlite3's own ``timeout`` set, so it is the one wait.
+        # The busy timeout first: switching a fresh file to WAL needs the lock too.
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
