@@ -161,8 +161,14 @@ class Batcher(Generic[Req, Res]):
                 except StoreError as exc:
                     _fail(batch, exc)
                     continue
-                except Exception as exc:  # a bug, not the store: still the 503 path
-                    _fail(batch, StoreError.wrap(exc), cause=exc)
+                except Exception as exc:
+                    # A bug, not the store: each waiter raises it (a logged 500), never
+                    # a StoreError that would pass for an outage (503).
+                    for _request, future in batch:
+                        if not future.done():
+                            error = RuntimeError(f"batched statement failed: {exc!r}")
+                            error.__cause__ = exc
+                            future.set_exception(error)
                     continue
                 except BaseException:
                     # The batcher's own task was cancelled (the loop is shutting down):
