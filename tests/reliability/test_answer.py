@@ -81,8 +81,6 @@ def test_a_stream_reaches_the_client_as_it_is_produced_and_replays(tmp_path: Pat
         assert _runs(tmp_path, "events") == 1
 
 
-
-
 @pytest.mark.anyio
 async def test_pathsend_file_response_delivers_and_replays_its_bytes(tmp_path: Path) -> None:
     receipt = tmp_path / "receipt.pdf"
@@ -133,3 +131,41 @@ async def test_pathsend_file_response_delivers_and_replays_its_bytes(tmp_path: P
     assert headers[b"idempotent-replayed"] == b"true"
     assert body == receipt.read_bytes()
     assert runs == [1]
+
+
+@pytest.mark.anyio
+async def test_a_stream_too_large_to_keep_runs_once_and_retries_are_told_so() -> None:
+    from collections.abc import AsyncIterator
+
+    import httpx
+    from starlette.responses import StreamingResponse
+
+    from asgi_idempotency.responder import STREAM_KEEP_LIMIT
+
+    runs: list[int] = []
+    chunk = b"x" * 65536
+
+    @idempotent(required=True)
+    async def export(request: Request) -> Response:
+        runs.append(1)
+
+        async def produce() -> AsyncIterator[bytes]:
+            for _ in range(STREAM_KEEP_LIMIT // len(chunk) + 2):  # past the limit
+                yield chunk
+
+        return StreamingResponse(produce(), media_type="application/octet-stream")
+
+    app = Starlette(
+        routes=[Route("/exports", export, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        first = await c.post("/exports", headers={"Idempotency-Key": "e-1"})
+        again = await c.post("/exports", headers={"Idempotency-Key": "e-1"})
+    assert first.status_code == 200
+    assert len(first.content) > STREAM_KEEP_LIMIT  # the client got all of it
+    assert again.status_code == 410
+    assert again.json()["type"] == "urn:asgi-idempotency:problem:response-not-kept"
+    assert again.headers["idempotent-replayed"] == "true"
+    assert runs == [1]  # told, not run again
