@@ -386,3 +386,24 @@ def test_an_app_without_openapi_is_left_alone() -> None:
     assert install_openapi(app, guard_of_for(mw, app)) is False
     assert install_openapi(None, guard_of_for(mw, app)) is False
     assert not hasattr(app, "openapi")
+
+
+async def test_a_webhook_route_documents_its_signature_not_the_key_header() -> None:
+    from asgi_idempotency.webhooks import github
+
+    app = FastAPI()
+
+    @app.post("/hooks/github")
+    async def on_push() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        policies={"POST /hooks/github": Policy(key_from=github("secret"))},
+    )
+    operation = (await served_schema(app))["paths"]["/hooks/github"]["post"]
+    assert key_parameter(operation) is None  # the delivery id is the key, not this header
+    assert "urn:asgi-idempotency:problem:invalid-signature" in problem_types(
+        operation["responses"]["400"]
+    )

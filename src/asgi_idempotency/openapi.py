@@ -35,6 +35,7 @@ from .errors import (
     BodyTooLarge,
     IdempotencyError,
     InvalidKey,
+    InvalidSignature,
     KeyMismatch,
     MissingKey,
     RequestInProgress,
@@ -249,7 +250,8 @@ def _problem_schema() -> dict[str, Any]:
 def _document(
     schema: dict[str, Any], item: dict[str, Any], operation: dict[str, Any], policy: Policy
 ) -> None:
-    if not _declares_key(schema, item, operation):
+    # A webhook route (key_from) takes its key from the sender's delivery, not this header.
+    if policy.key_from is None and not _declares_key(schema, item, operation):
         operation.setdefault("parameters", []).append(_key_parameter(policy))
     responses: dict[str, Any] = operation.setdefault("responses", {})
     for status, response in responses.items():
@@ -341,11 +343,19 @@ def _answers(
     policy: Policy,
 ) -> list[tuple[str, str, list[IdempotencyError], bool]]:
     """(status, description, the errors answered with it, whether Retry-After is sent)."""
-    bad_key: list[IdempotencyError] = [InvalidKey("The Idempotency-Key header is empty.")]
-    if policy.required:  # without a required key a missing one just runs unguarded
-        bad_key.insert(0, MissingKey("This endpoint requires an Idempotency-Key header."))
+    if policy.key_from is not None:  # a webhook: the key is the sender's delivery id
+        bad_key: list[IdempotencyError] = [
+            InvalidSignature("The sender's signature on this delivery does not match."),
+            MissingKey("This delivery carries no delivery id."),
+        ]
+        bad = "Delivery unsigned, wrongly signed, or without a delivery id"
+    else:
+        bad_key = [InvalidKey("The Idempotency-Key header is empty.")]
+        if policy.required:  # without a required key a missing one just runs unguarded
+            bad_key.insert(0, MissingKey("This endpoint requires an Idempotency-Key header."))
+        bad = "Idempotency-Key missing or invalid"
     return [
-        ("400", "Idempotency-Key missing or invalid", bad_key, False),
+        ("400", bad, bad_key, False),
         (
             "409",
             "A request with this Idempotency-Key is still in progress",
