@@ -47,8 +47,8 @@ STATUS_OF = {status.value: status for status in RecordStatus}
 
 # Record, StoredResponse (and lifecycle.Claim) are NamedTuples, like NewClaim, not
 # frozen dataclasses: every replay builds one of each, and a frozen dataclass's
-# __init__ sets each field through object.__setattr__ (a Record took ~3 us, a tuple
-# ~0.3 us). Immutable either way.
+# __init__ sets each field through object.__setattr__, several times the cost of
+# building a tuple. Immutable either way.
 class StoredResponse(NamedTuple):
     """A captured response: replayed byte for byte."""
 
