@@ -177,7 +177,8 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return type(a) is type(b) and a == b
     if isinstance(a, numbers) and isinstance(b, numbers):
-        return a == b and abs(a) < 2**53
+        # Past 2**53 only an identical number of the same type is surely the same one.
+        return a == b and (abs(a) < 2**53 or type(a) is type(b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
