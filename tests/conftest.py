@@ -320,8 +320,17 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
     postgres = kind in ("postgres", "postgres_batched")
     fixture = "pg_url" if postgres else "mariadb_url" if kind == "mariadb" else "sqlite_url"
     url = request.getfixturevalue(fixture)
-    async with emptied(SQLStore(url, batching=kind == "postgres_batched")) as sql:
+    async with emptied(SQLStore(url, batching=BATCHING[kind])) as sql:
         yield sql
+
+
+# Each SQL kind's batching argument: Postgres both ways, the others their default.
+BATCHING: dict[str, bool | None] = {
+    "postgres": False,
+    "postgres_batched": True,
+    "sqlite": None,
+    "mariadb": None,
+}
 
 
 @pytest.fixture(params=["redis", "redis_cluster"])

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         Bucket,
+        Capabilities,
         NewClaim,
         PreparedStore,
         Record,
@@ -63,6 +64,7 @@ __all__ = [
     "BodyTooLarge",
     "Bucket",
     "CanonicalJSONError",
+    "Capabilities",
     "Claim",
     "ClaimOutcome",
     "FanOutMetrics",
@@ -143,6 +145,7 @@ _WHERE = {
     "ClaimOutcome": ".lifecycle",
     "RecordState": ".lifecycle",
     "Bucket": ".stores.base",
+    "Capabilities": ".stores.base",
     "NewClaim": ".stores.base",
     "PreparedStore": ".stores.base",
     "StoreTransaction": ".stores.base",

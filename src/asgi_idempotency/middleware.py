@@ -38,7 +38,7 @@ from .readiness import Readiness
 from .regenerated import RegeneratedKeys
 from .request import guard_headers, host_name, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
-from .stores.base import Store, TransactionalStore, utcnow
+from .stores.base import Store, capabilities, utcnow
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -278,9 +278,9 @@ class IdempotencyMiddleware:
         self._forget_decisions()
         install_openapi(app, guard_of_for(self, app))
         if problems:
-            message = "\n".join(problems) if len(problems) == 1 else StartupReport(
-                problems
-            ).message()
+            message = (
+                "\n".join(problems) if len(problems) == 1 else StartupReport(problems).message()
+            )
             if not on_request:
                 raise ValueError(message)
             self._refusal = PrincipalMisconfigured(message)
@@ -454,12 +454,12 @@ class IdempotencyMiddleware:
         if not found:
             return
         store = self.store
-        why = (
-            store.transactions_unavailable
-            if isinstance(store, TransactionalStore)
-            else f"{type(store).__name__} has no transactions"
+        if capabilities(store).transactions:
+            return
+        why = getattr(store, "transactions_unavailable", None) or (
+            f"{type(store).__name__} has no transactions"
         )
-        if why is not None:
+        if why:
             raise ValueError(
                 "Policy(transactional=True) needs SQLStore on Postgres "
                 f"(postgresql+asyncpg://...): {why}"

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.stores.statements import as_time
+from asgi_idempotency.stores.codec import as_time
 
 T = TypeVar("T")
 

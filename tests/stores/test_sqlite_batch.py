@@ -18,7 +18,6 @@ from sqlalchemy import text
 
 from asgi_idempotency import SQLStore, StoreError
 from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
-from asgi_idempotency.stores import sqlite
 from asgi_idempotency.stores.base import NewClaim, StoredResponse
 from asgi_idempotency.stores.sqlite import ConnectionThread, SQLiteDriver
 
@@ -114,10 +113,15 @@ async def test_queued_claims_share_one_transaction(store: SQLStore) -> None:
     assert await keys(store) == [f"k{i}" for i in range(5)]
 
 
-async def test_a_burst_commits_in_batches_of_at_most_max_batch(
-    store: SQLStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(sqlite, "MAX_BATCH", 3)
+async def test_a_burst_commits_in_batches_of_at_most_max_batch(sqlite_url: str) -> None:
+    store = SQLStore(sqlite_url, max_batch=3)
+    try:
+        await _burst_of_seven(store)
+    finally:
+        await store.close()
+
+
+async def _burst_of_seven(store: SQLStore) -> None:
     h = await held(store)
     tasks = await h.behind(*(claim_of(store, f"k{i}", f"t{i}") for i in range(7)))
     await h.release()

@@ -32,6 +32,7 @@ from asgi_idempotency import (
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
+    Capabilities,
     Claim,
     ClaimOutcome,
     FanOutMetrics,
@@ -247,6 +248,8 @@ async def records(store: Store) -> None:
     assert_type(await store.renew(new.key, new.token, locked_until=NOW), bool)
     assert_type(await store.get(new.key), Record | None)
     assert_type(await store.find("ab", limit=2), list[Record])
+    caps: Capabilities = MemoryStore.capabilities
+    assert_type(caps.transactions, bool)
     buckets: list[Bucket] = await store.buckets(now=NOW)
     for bucket in buckets:
         assert_type(bucket.oldest_created_at, datetime | None)

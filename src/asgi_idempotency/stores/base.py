@@ -19,6 +19,7 @@ from ..errors import StoreError
 
 __all__ = [
     "Bucket",
+    "Capabilities",
     "NewClaim",
     "PreparedStore",
     "Record",
@@ -28,6 +29,7 @@ __all__ = [
     "StoreTransaction",
     "StoredResponse",
     "TransactionalStore",
+    "capabilities",
     "utcnow",
 ]
 
@@ -102,6 +104,37 @@ class Bucket:
     lease_over: bool  # locked_until <= now
     count: int
     oldest_created_at: datetime | None
+
+
+class Capabilities(NamedTuple):
+    """What a store offers beyond the primitives every store has, declared by the store.
+
+    A store declares them as its ``capabilities`` attribute; :func:`capabilities` reads
+    them, so that callers ask one question instead of testing types.
+    """
+
+    # Holds the claim, the handler's writes and the record in one transaction
+    # (:class:`TransactionalStore`, ``Policy(transactional=True)``).
+    transactions: bool = False
+    # Sends operations that arrive while one is in flight together (this instance).
+    batching: bool = False
+    # ``buckets`` and ``count_expired`` answer (``asgi-idempotency stats``, the gauges).
+    stats: bool = True
+    # ``prune`` deletes expired records (the CLI, the pruner).
+    prune: bool = True
+
+
+def capabilities(store: object) -> Capabilities:
+    """What ``store`` declares; for a store of one's own that declares nothing, the
+    primitives alone, with transactions if it is a :class:`TransactionalStore` that
+    says it can open them."""
+    declared = getattr(store, "capabilities", None)
+    if isinstance(declared, Capabilities):
+        return declared
+    return Capabilities(
+        transactions=isinstance(store, TransactionalStore)
+        and store.transactions_unavailable is None
+    )
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
 
 __all__ = ["MemoryStore"]
 
@@ -32,6 +32,8 @@ class MemoryStore:
 
     Not shared between processes: with several workers use :class:`SQLStore`.
     """
+
+    capabilities = Capabilities()
 
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}

@@ -37,12 +37,15 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from ..errors import StoreError
+from .codec import mysql_time
+from .dialect import HotPath, HotPathOptions, SQLDialect, pool_options
 from .postgres import PostgresDriver
-from .schema import records
-from .sqlerrors import DRIVER_ERRORS, mysql_breaks, translate
+from .schema import create_tables, records
+from .sqlerrors import MYSQL_ERRORS
 from .statements import MYSQL
 
 __all__ = [
+    "DIALECT",
     "MySQLDriver",
     "connect_args",
     "install_session_limits",
@@ -102,8 +105,10 @@ class MySQLDriver(PostgresDriver):
     free one, a broken connection taking the idle ones with it) is
     :class:`~.postgres.PostgresDriver`'s; what differs is the driver: asyncmy's
     prepared statements, autocommit turned on per connection, and which errors break
-    a connection (:func:`.sqlerrors.mysql_breaks`).
+    a connection (:data:`.sqlerrors.MYSQL_ERRORS`).
     """
+
+    errors = MYSQL_ERRORS
 
     async def _open(self) -> PoolProxiedConnection:
         fairy = await super()._open()
@@ -116,8 +121,8 @@ class MySQLDriver(PostgresDriver):
             fairy.invalidate()
             await greenlet_spawn(fairy.close)
             self._release_slot()
-            if isinstance(exc, DRIVER_ERRORS):
-                raise translate(exc) from exc
+            if isinstance(exc, MYSQL_ERRORS.errors):
+                raise MYSQL_ERRORS.translate(exc) from exc
             raise
         return fairy
 
@@ -147,12 +152,12 @@ class MySQLDriver(PostgresDriver):
 
         try:
             result = await op(prepared)
-        except DRIVER_ERRORS as exc:
-            if not driver.connected or mysql_breaks(exc):
+        except MYSQL_ERRORS.errors as exc:
+            if not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
             else:
                 self._checkin(fairy)
-            raise translate(exc) from exc
+            raise MYSQL_ERRORS.translate(exc) from exc
         except BaseException:
             # Cancelled mid-statement: the protocol stream is out of step; drop it.
             fairy.invalidate()
@@ -305,3 +310,42 @@ def connect_args(command_timeout: float) -> dict[str, Any]:
         "connect_timeout": max(1, math.ceil(command_timeout)),
         "read_timeout": command_timeout + 1.0,
     }
+
+
+async def _create_schema(
+    engine: AsyncEngine, autocommit: AsyncEngine, command_timeout: float
+) -> None:
+    # DDL commits by itself here: in autocommit the head is recorded before the lock is
+    # released, so the next process sees both or neither.
+    async with autocommit.connect() as conn, schema_lock(conn, command_timeout):
+        await conn.run_sync(create_tables)
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    return MySQLDriver(engine, limit=options.limit, timeout=options.timeout)
+
+
+def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
+    return {
+        **pool_options(command_timeout, pool_size),
+        "connect_args": connect_args(command_timeout),
+    }
+
+
+DIALECT = SQLDialect(
+    label="MariaDB/MySQL",
+    driver="asyncmy",
+    errors=MYSQL_ERRORS,
+    time=mysql_time,
+    hot_path=_hot_path,
+    engine_options=_engine_options,
+    configure_engine=install_session_limits,
+    create_schema=_create_schema,
+    prune=prune,
+    # Not built yet: the transactional claim decides a key under a Postgres advisory
+    # lock; GET_LOCK is the equivalent this dialect would need.
+    no_transactions=(
+        "does not hold the claim and the handler in one transaction yet "
+        "(the transactional claim is Postgres's)"
+    ),
+)

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 import asyncpg
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.pool import PoolProxiedConnection
 
@@ -29,17 +30,20 @@ from sqlalchemy.util import greenlet_spawn
 
 from ..errors import StoreError
 from .base import BUSY, Busy, NewClaim, Record, StoredResponse
-from .sqlerrors import DRIVER_ERRORS, PG_BROKEN, breaks, translate
-from .statements import (
-    CLAIM_LOCKED,
-    COMPLETE,
-    PG,
-    REPLACE,
-    encode_headers,
-    to_record,
-)
+from .codec import encode_headers, pg_time, to_record
+from .dialect import HotPath, HotPathOptions, SQLDialect, leave_engine, pool_options
+from .queries import prune_by_ctid
+from .schema import create_tables
+from .sqlerrors import PG_ERRORS, ErrorBoundary
+from .statements import CLAIM_LOCKED, COMPLETE, PG, REPLACE
 
-__all__ = ["IdempotencyTransaction", "PostgresDriver", "PostgresTransaction", "open_transaction"]
+__all__ = [
+    "DIALECT",
+    "IdempotencyTransaction",
+    "PostgresDriver",
+    "PostgresTransaction",
+    "open_transaction",
+]
 
 T = TypeVar("T")
 
@@ -72,6 +76,10 @@ class PostgresDriver:
     they share the cause, and each would otherwise fail one more request.
     """
 
+    # The driver's error boundary: a subclass keeping another driver's connections
+    # (MariaDB/MySQL's) names its own.
+    errors: ErrorBoundary = PG_ERRORS
+
     def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
         self._engine = engine
         self._limit = max(1, limit)
@@ -89,8 +97,8 @@ class PostgresDriver:
             return await self._engine.raw_connection()
         except BaseException as exc:
             self._release_slot()
-            if isinstance(exc, DRIVER_ERRORS):
-                raise translate(exc) from exc
+            if isinstance(exc, self.errors.errors):
+                raise self.errors.translate(exc) from exc
             raise
 
     def _release_slot(self) -> None:
@@ -166,12 +174,12 @@ class PostgresDriver:
         driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
         try:
             result = await op(driver)
-        except DRIVER_ERRORS as exc:
-            if driver.is_closed() or breaks(exc, PG_BROKEN):
+        except PG_ERRORS.errors as exc:
+            if driver.is_closed() or PG_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
             else:
                 self._checkin(fairy)
-            raise translate(exc) from exc
+            raise PG_ERRORS.translate(exc) from exc
         except BaseException:
             # Cancelled mid-statement: the connection's state is unknown; drop it.
             fairy.invalidate()
@@ -235,10 +243,8 @@ class PostgresTransaction:
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         values = new._asdict()
         for _ in range(_INSERT_ATTEMPTS):
-            try:
+            with PG_ERRORS:
                 row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
-            except DRIVER_ERRORS as exc:
-                raise translate(exc) from exc
             if not row[0]:
                 return BUSY
             if row[1]:
@@ -261,10 +267,8 @@ class PostgresTransaction:
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
         values["old_locked_until"] = expected.locked_until
-        try:
+        with PG_ERRORS:
             result = await self._conn.execute(REPLACE, values)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
         return bool(result.rowcount)
 
     async def commit(
@@ -278,7 +282,7 @@ class PostgresTransaction:
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
         }
-        try:
+        with PG_ERRORS:
             await self.state.session.flush()
             completed = (await self._conn.execute(COMPLETE, values)).rowcount
             if completed != 1:
@@ -288,8 +292,6 @@ class PostgresTransaction:
                 await self._conn.rollback()
                 raise StoreError("the record is not this transaction's claim; rolled back")
             await self._conn.commit()
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
 
 
 @asynccontextmanager
@@ -298,18 +300,55 @@ async def open_transaction(
 ) -> AsyncIterator[PostgresTransaction]:
     """A connection in a transaction; closing it (even when cancelled) rolls back what
     was not committed and returns the connection to the pool."""
-    try:
+    with PG_ERRORS:
         conn = await engine.connect()
-    except DRIVER_ERRORS as exc:
-        raise translate(exc) from exc
     try:
-        try:
+        with PG_ERRORS:
             await conn.begin()
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
         yield PostgresTransaction(conn)
     finally:
         task = asyncio.ensure_future(conn.close())
         closing.add(task)
         task.add_done_callback(closing.discard)
         await asyncio.shield(task)
+
+
+# Serialises concurrent create_all calls on one database (a transaction-scoped lock).
+_SCHEMA_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('asgi_idempotency.schema'))")
+
+
+async def _create_schema(
+    engine: AsyncEngine, autocommit: AsyncEngine, command_timeout: float
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(_SCHEMA_LOCK)
+        await conn.run_sync(create_tables)
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    if options.batching:
+        from .postgres_batched import BatchingPostgresDriver  # it builds on this module
+
+        return BatchingPostgresDriver(engine, limit=options.limit, timeout=options.timeout)
+    return PostgresDriver(engine, limit=options.limit, timeout=options.timeout)
+
+
+def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
+    # asyncpg's own command_timeout bounds each statement, at no statement's cost.
+    connect = {"command_timeout": command_timeout, "timeout": command_timeout}
+    return {**pool_options(command_timeout, pool_size), "connect_args": connect}
+
+
+DIALECT = SQLDialect(
+    label="Postgres",
+    driver="asyncpg",
+    errors=PG_ERRORS,
+    time=pg_time,
+    hot_path=_hot_path,
+    engine_options=_engine_options,
+    configure_engine=leave_engine,
+    create_schema=_create_schema,
+    prune=prune_by_ctid,
+    can_batch=True,
+    transaction=open_transaction,
+)

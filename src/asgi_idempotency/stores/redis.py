@@ -57,8 +57,8 @@ from urllib.parse import urlsplit, urlunsplit
 from ..errors import StoreError
 from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .codec import decode_headers, encode_headers
 from .loops import LoopTenure
-from .statements import decode_headers, encode_headers
 
 try:
     import redis.asyncio as aioredis
@@ -255,9 +255,7 @@ def _split_url(url: str) -> tuple[str, bool]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES:
-        raise ValueError(
-            f"unsupported Redis URL scheme {parts.scheme!r}: use {ACCEPTED}"
-        )
+        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use {ACCEPTED}")
     cluster = scheme in REDIS_CLUSTER_SCHEMES
     return urlunsplit(parts._replace(scheme=scheme.partition("+")[0])), cluster
 

@@ -15,11 +15,14 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    inspect,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection
+from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-__all__ = ["MYSQL_DIALECTS", "UTCDateTime", "metadata", "records"]
+__all__ = ["MYSQL_DIALECTS", "UTCDateTime", "create_tables", "metadata", "records"]
 
 metadata = MetaData()
 
@@ -96,3 +99,19 @@ records = Table(
 
 # Serves prune (expires_at <= now) without a sequential scan.
 Index("ix_idempotency_records_expires_at", records.c.expires_at)
+
+
+def create_tables(conn: Connection) -> None:
+    """The table and its indexes from the one ``Table``; the migrations' head, if created now.
+
+    Each backend runs it under its own guard against a second process doing the same
+    (:attr:`.dialect.SQLDialect.create_schema`).
+    """
+    from ..migrations import stamp_head
+
+    created = not inspect(conn).has_table(records.name)
+    conn.execute(CreateTable(records, if_not_exists=True))
+    for index in records.indexes:
+        conn.execute(CreateIndex(index, if_not_exists=True))
+    if created:
+        stamp_head(conn)

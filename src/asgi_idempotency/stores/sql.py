@@ -1,18 +1,21 @@
 """SQL store: ``postgresql+asyncpg`` or ``mariadb+asyncmy``/``mysql+asyncmy`` in production,
 ``sqlite+aiosqlite`` embedded.
 
-SQLAlchemy owns the schema, the engine and its pool, dialect selection and
-migrations. The hot path (insert, replace, complete, release, renew) runs on the
-driver connection taken from that pool (:mod:`.postgres`, :mod:`.sqlite`,
-:mod:`.mysql`): each
-statement is written once as Core (:mod:`.statements`), compiled per driver at
-import and executed as one prepared statement in autocommit, so one statement is
-one round trip. Core's execution layer costs about twice the driver for the same
-statements on Postgres, and far more on SQLite (``bench/results/NOTES.md``).
+One store for every SQL backend. SQLAlchemy owns the schema, the engine and its pool,
+dialect selection and migrations; what differs per database (its driver's hot path and
+error boundary, how times bind, how the schema is created and a prune batch runs,
+whether it batches or opens transactions) is that backend's
+:class:`~.dialect.SQLDialect`, declared in its module (:mod:`.postgres`, :mod:`.sqlite`,
+:mod:`.mysql`). The hot path (insert, replace, complete, release, renew) runs there on
+the driver connection: each statement is written once as Core (:mod:`.statements`),
+compiled per driver at import and executed as one prepared statement in autocommit,
+so one statement is one round trip. Core's execution layer costs about twice the
+driver for the same statements on Postgres, and far more on SQLite
+(``bench/results/NOTES.md``).
 
 Everything off the hot path (``get``, ``find``, ``buckets``, ``prune``) runs through
-Core on an autocommit connection. Driver and pool errors become :class:`StoreError`
-(:mod:`.sqlerrors`).
+Core on an autocommit connection (:mod:`.queries`), inside the backend's error
+boundary (:mod:`.sqlerrors`).
 
 The pool and the hot path's connections belong to one event loop at a time: called
 from another, the store opens fresh ones there and closes the old ones on their own
@@ -23,72 +26,37 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Executable, event, inspect, text
-from sqlalchemy.engine import Connection
+from sqlalchemy import Executable, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import Pool
-from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.util import greenlet_spawn
 
 from ..errors import SchemaMissing, StoreError
 from ..urls import async_url, redact
-from .base import STATUS_OF, Bucket, NewClaim, Record, StoredResponse
-from .loops import LoopTenure
-from .mysql import MySQLDriver, install_session_limits, schema_lock
-from .mysql import connect_args as mysql_connect_args
-from .mysql import prune as mysql_prune
-from .postgres import PostgresDriver, PostgresTransaction, open_transaction
-from .postgres_batched import BatchingPostgresDriver
-from .schema import MYSQL_DIALECTS, records
-from .sqlerrors import DRIVER_ERRORS, translate
-from .sqlite import pragmas, sqlite_driver
-from .statements import (
-    as_time,
-    buckets_query,
-    count_expired_query,
-    encode_headers,
-    find_query,
-    get_query,
-    prune_statement,
-    sqlite_time,
-    to_record,
+from .base import (
+    STATUS_OF,
+    Bucket,
+    Capabilities,
+    NewClaim,
+    Record,
+    StoredResponse,
+    StoreTransaction,
 )
+from .codec import as_time, encode_headers, to_record
+from .dialect import MAX_BATCH, HotPath, HotPathOptions, Op, SQLDialect, dialect_named
+from .loops import LoopTenure
+from .queries import buckets_query, count_expired_query, find_query, get_query
 
 __all__ = ["SQLStore"]
 
 # A row committed by a racing claim after the claim statement's snapshot began reads
 # as neither inserted nor in the way; asking again sees it. Past a few tries, give up.
 _INSERT_ATTEMPTS = 5
-
-
-class _Driver(Protocol):
-    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
-        """(inserted, the row in the way as ``RECORD_COLUMNS``, or None if not visible)."""
-        ...
-
-    async def rowcount(self, name: str, values: dict[str, Any]) -> int: ...
-
-    async def close(self) -> None: ...
-
-
-def _aware(value: datetime) -> datetime:
-    if value.tzinfo is None:
-        raise StoreError("ValueError: naive datetime: pass an aware UTC datetime")
-    return value
-
-
-def _sqlite_aware(value: datetime) -> str:
-    return sqlite_time(_aware(value))
-
-
-def _mysql_aware(value: datetime) -> datetime:
-    # DATETIME(6) holds naive UTC (schema.UTCDateTime); asyncmy would drop any offset.
-    return _aware(value).astimezone(UTC).replace(tzinfo=None)
 
 
 class SQLStore:
@@ -110,11 +78,15 @@ class SQLStore:
             ``prune`` and your own Core work. No overflow: a statement waits for a free
             connection, up to ``command_timeout``, rather than open one. With an engine
             of your own the hot path keeps half its pool.
-        batching: on Postgres, send the claims, completions, releases and renewals
-            that queue while a statement of their kind is in flight as one statement
-            (:mod:`.postgres_batched`, and the README's Batching on Postgres section).
-            Off by default; the argument alone decides (the library reads no
-            environment variable). Ignored on SQLite and MariaDB/MySQL.
+        batching: send the operations that queue while one is in flight together: on
+            Postgres as one statement per kind (:mod:`.postgres_batched`, and the
+            docs' Batching on Postgres section), on SQLite in one transaction of its
+            connection thread. ``None`` (the default) takes the backend's default
+            (:attr:`.dialect.SQLDialect.batching`); the argument alone decides (the
+            library reads no environment variable). Not available on MariaDB/MySQL yet
+            (``True`` raises ``ValueError``).
+        max_batch: at most this many operations in one batched statement or
+            transaction (default 256).
 
     Successive event loops (a ``TestClient`` without ``with``, ``asyncio.run`` twice)
     are fine: on a new loop the store opens a new pool and hot-path connections, and
@@ -128,10 +100,13 @@ class SQLStore:
         *,
         command_timeout: float = 5.0,
         pool_size: int = 10,
-        batching: bool = False,
+        batching: bool | None = None,
+        max_batch: int = MAX_BATCH,
     ) -> None:
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
         if isinstance(url_or_engine, AsyncEngine):
             engine, self._owns_engine = url_or_engine, False
         else:
@@ -140,46 +115,32 @@ class SQLStore:
                 True,
             )
         self.engine = engine
-        self.dialect = engine.dialect.name
-        if self.dialect not in ("postgresql", "sqlite", *MYSQL_DIALECTS):
+        self.dialect: str = engine.dialect.name
+        spec = self._spec = dialect_named(self.dialect)
+        if engine.dialect.driver != spec.driver:
             raise ValueError(
-                f"SQLStore supports postgresql, sqlite, mariadb and mysql, not {self.dialect}"
+                f"SQLStore needs {self.dialect}+{spec.driver}, not {engine.dialect.driver}"
             )
-        if self.dialect == "postgresql" and engine.dialect.driver != "asyncpg":
-            raise ValueError(f"SQLStore needs postgresql+asyncpg, not {engine.dialect.driver}")
-        if self.dialect in MYSQL_DIALECTS and engine.dialect.driver != "asyncmy":
-            raise ValueError(
-                f"SQLStore needs {self.dialect}+asyncmy, not {engine.dialect.driver}"
-            )
+        if batching and not spec.can_batch:
+            raise ValueError(f"SQLStore does not batch on {spec.label} yet: pass batching=False")
+        self.batching: bool = spec.batching if batching is None else batching
+        self.capabilities = Capabilities(
+            transactions=spec.transaction is not None, batching=self.batching
+        )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-        self.batching = batching and self.dialect == "postgresql"
         self._command_timeout = command_timeout
-        self._driver = self._new_driver()
+        self._options = HotPathOptions(
+            _hot_path_limit(engine), command_timeout, self.batching, max_batch
+        )
+        self._driver = spec.hot_path(engine, self._options)
         # The loop that the pool's and the driver's connections belong to, and what
         # closes them on it (see _enter); None until the store is first used.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tenure: LoopTenure | None = None
-        self._time: Callable[[datetime], Any] = (
-            _aware
-            if self.dialect == "postgresql"
-            else _mysql_aware
-            if self.dialect in MYSQL_DIALECTS
-            else _sqlite_aware
-        )
+        self._time = spec.time
         # Transactions' connections close even when their request is cancelled.
         self._closing: set[asyncio.Task[Any]] = set()
         self._prepared = False  # prepare() passed once: later calls cost nothing
-
-    def _new_driver(self) -> _Driver:
-        engine, timeout = self.engine, self._command_timeout
-        if self.dialect in MYSQL_DIALECTS:
-            return MySQLDriver(engine, limit=_hot_path_limit(engine), timeout=timeout)
-        if self.dialect != "postgresql":
-            return sqlite_driver(engine, timeout=timeout)
-        limit = _hot_path_limit(engine)
-        if self.batching:
-            return BatchingPostgresDriver(engine, limit=limit, timeout=timeout)
-        return PostgresDriver(engine, limit=limit, timeout=timeout)
 
     def _enter(self) -> None:
         """Serve from the running loop, which is not the one the connections belong to.
@@ -194,12 +155,12 @@ class SQLStore:
             if self._owns_engine:
                 # A new pool; the old one is not closed here (close=False) but by its tenure.
                 self.engine.sync_engine.dispose(close=False)
-            self._driver = self._new_driver()
+            self._driver = self._spec.hot_path(self.engine, self._options)
         close = functools.partial(self._close_loop, self._driver, self.engine.sync_engine.pool)
         self._tenure = LoopTenure(close)
         self._loop = self._tenure.loop
 
-    async def _close_loop(self, driver: _Driver, pool: Pool) -> None:
+    async def _close_loop(self, driver: HotPath, pool: Pool) -> None:
         """Close a loop's driver and, on the store's own engine, its pool (on that loop)."""
         await driver.close()
         if self._owns_engine:
@@ -216,69 +177,38 @@ class SQLStore:
         """
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        try:
-            if self.dialect == "sqlite":
-                # Workers starting together queue for the write lock below: load what
-                # stamping the head needs (alembic, the migration scripts) before taking
-                # it, not while the others wait.
-                from ..migrations import warm
-
-                await asyncio.to_thread(warm)
-                # pysqlite opens no transaction for DDL, and a deferred one would let two
-                # workers both see no table: take SQLite's write lock first (busy timeout).
-                async with self._autocommit.connect() as conn:
-                    await conn.exec_driver_sql("BEGIN IMMEDIATE")
-                    try:
-                        await conn.run_sync(_create_schema)
-                    except BaseException:
-                        await conn.exec_driver_sql("ROLLBACK")
-                        raise
-                    await conn.exec_driver_sql("COMMIT")
-            elif self.dialect in MYSQL_DIALECTS:
-                # DDL commits by itself here: in autocommit the head is recorded before
-                # the lock is released, so the next process sees both or neither.
-                async with (
-                    self._autocommit.connect() as conn,
-                    schema_lock(conn, self._command_timeout),
-                ):
-                    await conn.run_sync(_create_schema)
-            else:
-                async with self.engine.begin() as conn:
-                    await conn.execute(_PG_SCHEMA_LOCK)
-                    await conn.run_sync(_create_schema)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
+        with self._spec.errors:
+            await self._spec.create_schema(self.engine, self._autocommit, self._command_timeout)
 
     async def prepare(self) -> None:
         """Make the store ready to serve; the middleware runs it at startup (``PreparedStore``).
 
         On SQLite, the embedded default, the table is created if missing
         (:meth:`create_all`), so the first start needs no separate step. On Postgres
-        the schema is the operator's: this only checks that the table exists and the
-        migrations' head is recorded, and changes nothing. Once it has passed, later
-        calls return at once (every middleware on this store calls it).
+        and MariaDB/MySQL the schema is the operator's: this only checks that the
+        table exists and the migrations' head is recorded, and changes nothing. Once
+        it has passed, later calls return at once (every middleware on this store
+        calls it).
 
         Raises:
-            SchemaMissing: on Postgres, the table or the head is missing; the message
-                names the table and ``asgi-idempotency migrate --database-url ...``.
+            SchemaMissing: the table or the head is missing; the message names the
+                table and ``asgi-idempotency migrate --database-url ...``.
             StoreError: the database could not be reached.
         """
         if self._prepared:
             return
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        if self.dialect == "sqlite":
+        if self._spec.embedded:
             await self.create_all()
             self._prepared = True
             return
         from ..migrations import schema_problem, unknown_revisions
 
-        try:
+        with self._spec.errors:
             async with self._autocommit.connect() as conn:
                 problem = await conn.run_sync(schema_problem)
                 newer = await conn.run_sync(unknown_revisions) if problem else ()
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
         if newer:
             # Migrating cannot fix this one: this version does not carry the revision.
             url = redact(self.engine.url.render_as_string(hide_password=False))
@@ -293,10 +223,9 @@ class SQLStore:
         if problem is not None:
             url = redact(self.engine.url.render_as_string(hide_password=False))
             real = " (with the real password for ***)" if "***" in url else ""
-            name = "Postgres" if self.dialect == "postgresql" else "MariaDB/MySQL"
             why = (
-                f"On {name} the schema is the operator's: the middleware checks it at "
-                "startup and creates nothing."
+                f"On {self._spec.label} the schema is the operator's: the middleware checks "
+                "it at startup and creates nothing."
             )
             # The URL (host, port, user, database) is for the log; clients get the rest.
             raise SchemaMissing(
@@ -340,7 +269,7 @@ class SQLStore:
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
         values["old_locked_until"] = self._time(expected.locked_until)
-        return await self._driver.rowcount("replace", values) == 1
+        return await self._driver.rowcount(Op.REPLACE, values) == 1
 
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
@@ -355,43 +284,36 @@ class SQLStore:
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
         }
-        return await self._driver.rowcount("complete", values) == 1
+        return await self._driver.rowcount(Op.COMPLETE, values) == 1
 
     async def release(self, key: str, token: str) -> bool:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        return await self._driver.rowcount("release", {"where_key": key, "where_token": token}) == 1
+        values = {"where_key": key, "where_token": token}
+        return await self._driver.rowcount(Op.RELEASE, values) == 1
 
     async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         values = {"where_key": key, "where_token": token, "locked_until": self._time(locked_until)}
-        return await self._driver.rowcount("renew", values) == 1
+        return await self._driver.rowcount(Op.RENEW, values) == 1
 
-    # Transactional mode (Postgres only).
+    # Transactional mode (where the backend has it: Postgres).
 
     @property
     def transactions_unavailable(self) -> str | None:
-        if self.dialect == "postgresql":
+        if self._spec.transaction is not None:
             return None
-        if self.dialect in MYSQL_DIALECTS:
-            # Not built yet: the transactional claim decides a key under a Postgres
-            # advisory lock; GET_LOCK is the equivalent this dialect would need.
-            return (
-                f"SQLStore on {self.dialect} does not hold the claim and the handler in one "
-                "transaction yet (the transactional claim is Postgres's)"
-            )
-        return (
-            f"SQLStore on {self.dialect} cannot hold the claim and the handler in one transaction"
-        )
+        return f"SQLStore on {self.dialect} {self._spec.no_transactions}"
 
-    def transaction(self) -> AbstractAsyncContextManager[PostgresTransaction]:
-        """One Postgres transaction for a transactional request (see ``transactional``).
+    def transaction(self) -> AbstractAsyncContextManager[StoreTransaction]:
+        """One transaction for a transactional request (see ``transactional``).
 
         Raises:
-            ValueError: the store is not on Postgres.
+            ValueError: the backend has no transactional claim (not Postgres).
         """
-        if self.transactions_unavailable is not None:
+        open_transaction = self._spec.transaction
+        if open_transaction is None:
             raise ValueError(self.transactions_unavailable)
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
@@ -402,11 +324,9 @@ class SQLStore:
     async def _all(self, query: Executable) -> Sequence[Any]:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        try:
+        with self._spec.errors:
             async with self._autocommit.connect() as conn:
                 return (await conn.execute(query)).all()
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
 
     async def get(self, key: str) -> Record | None:
         rows = await self._all(get_query(key))
@@ -434,17 +354,11 @@ class SQLStore:
         return int(rows[0][0])
 
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
-        stmt = prune_statement(now, batch_size, postgres=self.dialect == "postgresql")
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        try:
+        with self._spec.errors:
             async with self._autocommit.connect() as conn:
-                if self.dialect in MYSQL_DIALECTS:
-                    return await mysql_prune(conn, now=now, batch_size=batch_size)
-                result = await conn.execute(stmt)
-                return int(result.rowcount)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
+                return await self._spec.prune(conn, now=now, batch_size=batch_size)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
@@ -466,22 +380,6 @@ class SQLStore:
             await self.engine.dispose()  # and what was used beside the store (store.engine)
 
 
-# Serialises concurrent create_all calls on one Postgres database (a transaction-scoped lock).
-_PG_SCHEMA_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('asgi_idempotency.schema'))")
-
-
-def _create_schema(conn: Connection) -> None:
-    """The table and its indexes from the one ``Table``; the migrations' head, if created now."""
-    from ..migrations import stamp_head
-
-    created = not inspect(conn).has_table(records.name)
-    conn.execute(CreateTable(records, if_not_exists=True))
-    for index in records.indexes:
-        conn.execute(CreateIndex(index, if_not_exists=True))
-    if created:
-        stamp_head(conn)
-
-
 def _hot_path_limit(engine: AsyncEngine) -> int:
     """How many connections the hot path keeps: half of a sized pool, else a few."""
     size = getattr(engine.pool, "size", None)
@@ -490,28 +388,14 @@ def _hot_path_limit(engine: AsyncEngine) -> int:
 
 def _make_engine(url: str, *, command_timeout: float, pool_size: int) -> AsyncEngine:
     url = async_url(url)  # the one URL rule (asgi_idempotency.urls): postgres:// -> asyncpg
-    kwargs: dict[str, Any] = {}
-    if url.startswith(("postgresql", "mysql", "mariadb")):
-        kwargs = {
-            # pool_size for the hot path, as many again for everything else.
-            "pool_size": 2 * pool_size,
-            # No overflow: the hot path holds a connection for one statement, so waiting
-            # a moment for one is far cheaper than connecting, and overflow connections
-            # are closed when returned to a full pool, so it would reconnect constantly.
-            "max_overflow": 0,
-            "pool_timeout": command_timeout,
-            # Checkouts cost no ping: a broken connection fails its statement, the
-            # store invalidates it, and the next statement connects afresh.
-            "pool_pre_ping": False,
-            "connect_args": {"command_timeout": command_timeout, "timeout": command_timeout},
-        }
-        if url.startswith(("mysql", "mariadb")):
-            kwargs["connect_args"] = mysql_connect_args(command_timeout)
-    elif url.startswith("sqlite"):
-        kwargs = {"connect_args": {"timeout": command_timeout}}
-    engine = create_async_engine(url, **kwargs)
-    if engine.dialect.name == "sqlite":
-        event.listen(engine.sync_engine, "connect", pragmas(command_timeout))
-    elif engine.dialect.name in MYSQL_DIALECTS:
-        install_session_limits(engine, command_timeout)
+    spec: SQLDialect | None
+    try:
+        spec = dialect_named(make_url(url).get_backend_name())
+    except ValueError:
+        spec = None  # SQLStore refuses it by its engine's dialect, with the message
+    engine = create_async_engine(
+        url, **({} if spec is None else spec.engine_options(command_timeout, pool_size))
+    )
+    if spec is not None:
+        spec.configure_engine(engine, command_timeout)
     return engine

@@ -1,14 +1,19 @@
-"""SQL driver errors: the one translation into :class:`StoreError`, and which break a connection.
+"""SQL driver errors: one boundary per driver, mapping its failures to :class:`StoreError` once.
 
-Every SQL path (the Postgres, SQLite and MariaDB/MySQL hot paths, Core queries off the hot path,
-transactions) catches :data:`DRIVER_ERRORS` and raises :func:`translate` of it, so
-nothing above ``stores/`` sees a driver's exception type. What is not a driver's
-(a ``TypeError``, say) is a bug of ours and stays a 500.
+Each SQL dialect declares its driver's :class:`ErrorBoundary` (:data:`PG_ERRORS`,
+:data:`SQLITE_ERRORS`, :data:`MYSQL_ERRORS`): which exceptions are that driver's
+failures, and which of them leave a connection unusable. Every path of that dialect
+(the hot path, Core queries off it, transactions) runs inside it (``with boundary:``),
+so nothing above ``stores/`` sees a driver's exception type. What is not the driver's
+(a ``TypeError``, a ``ValueError`` from our own code on Postgres, say) is a bug of ours
+and stays a logged 500.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
+from types import TracebackType
 
 import asyncpg
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
@@ -16,14 +21,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import StoreError
 
-__all__ = [
-    "DRIVER_ERRORS",
-    "PG_BROKEN",
-    "SQLITE_BROKEN",
-    "breaks",
-    "mysql_breaks",
-    "translate",
-]
+__all__ = ["MYSQL_ERRORS", "PG_ERRORS", "SQLITE_ERRORS", "ErrorBoundary", "translate"]
 
 try:  # the mysql extra: asyncmy raises its own errors, SQLAlchemy's adapter passes them on
     from asyncmy.errors import MySQLError as _MySQLError
@@ -39,42 +37,9 @@ except ImportError:  # pragma: no cover - without the extra no MySQL path can ru
 # unknown role, an unknown database or a wrong password at connect.
 _ASYNCPG_ADAPTED: type[Exception] = AsyncAdapt_asyncpg_dbapi.Error
 
-# Everything the pool, the drivers and the network raise for a failed statement.
-DRIVER_ERRORS: tuple[type[BaseException], ...] = (
-    SQLAlchemyError,
-    _ASYNCPG_ADAPTED,
-    OSError,  # includes ConnectionError
-    TimeoutError,  # asyncio.TimeoutError since 3.11: asyncpg's command_timeout
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,  # includes ConnectionDoesNotExistError
-    asyncpg.InternalClientError,
-    sqlite3.Error,
-    ValueError,  # aiosqlite: "Connection closed" / "no active connection"
-    # asyncmy: every server error (a deadlock, 1213, and a lock wait timeout, 1205,
-    # included: the statement was rolled back, the client gets 503 and retries) and
-    # the client's own (2013, lost connection, also on its read timeout).
-    _MySQLError,
-)
-
-# Failures after which a Postgres connection is not reused, besides asyncpg reporting
-# it closed (the rest are SQL errors on a healthy connection). Not TimeoutError: on
-# command_timeout asyncpg sends a cancel request so that the server abandons the
-# statement; terminating the connection instead would let a claim blocked on a lock
-# commit after the client got its 503, and the retry would meet its own row (409).
-PG_BROKEN: tuple[type[BaseException], ...] = (
-    OSError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.CrashShutdownError,
-    asyncpg.exceptions.CannotConnectNowError,
-)
-SQLITE_BROKEN: tuple[type[BaseException], ...] = (
-    OSError,
-    ValueError,
-    sqlite3.ProgrammingError,
-    sqlite3.InterfaceError,
-)
+# What every SQL dialect's path may raise besides its driver's own: SQLAlchemy's pool
+# and Core, the network, and a timeout (asyncio.TimeoutError since 3.11).
+_COMMON: tuple[type[BaseException], ...] = (SQLAlchemyError, OSError, TimeoutError)
 
 
 def translate(exc: BaseException) -> StoreError:
@@ -93,6 +58,90 @@ def translate(exc: BaseException) -> StoreError:
     return StoreError.wrap(driver)
 
 
+class ErrorBoundary:
+    """One driver's failures, mapped to :class:`StoreError` in one place.
+
+    ``with boundary:`` around driver work raises :func:`translate` of any of
+    :attr:`errors` that escapes it; anything else passes unchanged (a bug is a bug).
+    Stateless, so one instance serves every call, nested or concurrent. Paths that
+    must also drop a broken connection catch :attr:`errors` themselves, ask
+    :meth:`breaks`, and raise :meth:`translate`.
+    """
+
+    __slots__ = ("_breaks", "errors")
+
+    def __init__(
+        self, errors: tuple[type[BaseException], ...], breaks: Callable[[BaseException], bool]
+    ) -> None:
+        self.errors = errors
+        self._breaks = breaks
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and isinstance(exc, self.errors) and not isinstance(exc, StoreError):
+            raise translate(exc) from exc
+
+    def breaks(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (one of :attr:`errors`) leaves the connection unusable."""
+        return self._breaks(exc)
+
+    translate = staticmethod(translate)
+
+
+# Failures after which a Postgres connection is not reused, besides asyncpg reporting
+# it closed (the rest are SQL errors on a healthy connection). Not TimeoutError: on
+# command_timeout asyncpg sends a cancel request so that the server abandons the
+# statement; terminating the connection instead would let a claim blocked on a lock
+# commit after the client got its 503, and the retry would meet its own row (409).
+_PG_BROKEN: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+)
+
+
+def _pg_breaks(exc: BaseException) -> bool:
+    return isinstance(exc, _PG_BROKEN) and not isinstance(exc, TimeoutError)
+
+
+PG_ERRORS = ErrorBoundary(
+    (
+        *_COMMON,
+        _ASYNCPG_ADAPTED,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,  # includes ConnectionDoesNotExistError
+        asyncpg.InternalClientError,
+    ),
+    _pg_breaks,
+)
+
+# sqlite3 raises ProgrammingError on a closed connection; aiosqlite (the engine's
+# connections) a ValueError ("Connection closed", "no active connection").
+_SQLITE_BROKEN: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    sqlite3.ProgrammingError,
+    sqlite3.InterfaceError,
+)
+
+
+def _sqlite_breaks(exc: BaseException) -> bool:
+    return isinstance(exc, _SQLITE_BROKEN) and not isinstance(exc, TimeoutError)
+
+
+SQLITE_ERRORS = ErrorBoundary((*_COMMON, sqlite3.Error, ValueError), _sqlite_breaks)
+
+
 # Server errors after which a MariaDB/MySQL connection is gone: shutdown (1053), killed
 # (1927, MariaDB), idle too long (4031, MySQL 8). Client errors are 2000-2999 (2006
 # server gone, 2013 lost connection); a deadlock or a timed-out statement leaves the
@@ -100,14 +149,14 @@ def translate(exc: BaseException) -> StoreError:
 _MYSQL_GONE = frozenset((1053, 1927, 4031))
 
 
-def mysql_breaks(exc: BaseException) -> bool:
-    """Whether ``exc`` leaves an asyncmy connection unusable."""
+def _mysql_breaks(exc: BaseException) -> bool:
     if not isinstance(exc, _MySQLError):
         return isinstance(exc, OSError)
     code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
     return 2000 <= code < 3000 or code in _MYSQL_GONE or code == 0
 
 
-def breaks(exc: BaseException, broken: tuple[type[BaseException], ...]) -> bool:
-    """Whether ``exc`` leaves the connection unusable (TimeoutError is an OSError: see above)."""
-    return isinstance(exc, broken) and not isinstance(exc, TimeoutError)
+# asyncmy: every server error (a deadlock, 1213, and a lock wait timeout, 1205,
+# included: the statement was rolled back, the client gets 503 and retries) and the
+# client's own (2013, lost connection, also on its read timeout).
+MYSQL_ERRORS = ErrorBoundary((*_COMMON, _MySQLError), _mysql_breaks)

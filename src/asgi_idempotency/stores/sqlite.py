@@ -31,12 +31,19 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .sqlerrors import DRIVER_ERRORS, SQLITE_BROKEN, breaks, translate
+from .codec import sqlite_time
+from .dialect import MAX_BATCH, HotPath, HotPathOptions, SQLDialect
+from .queries import prune_by_key
+from .schema import create_tables
+from .sqlerrors import SQLITE_ERRORS
 from .statements import SQLITE
 
 __all__ = [
+    "DIALECT",
+    "MAX_BATCH",
     "ConnectionThread",
     "EngineSQLiteDriver",
     "SQLiteDriver",
@@ -45,14 +52,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# Whether SQLite drivers run the operations queued together in one transaction (read
-# when the store is built; ``bench/sqlite_store.py`` turns it off to compare). It wins
-# under concurrency and costs nothing one request at a time (bench/results/NOTES.md).
-BATCH = True
-# At most this many operations share a transaction, so a burst commits in parts and
-# the first of it is not held back behind the last (the thread reads it per batch).
-MAX_BATCH = 256
 
 # A job for the thread: the future to settle, the function and its arguments.
 _Job = tuple["asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
@@ -115,11 +114,19 @@ class ConnectionThread:
     Args:
         connect: opens the connection; called on the thread.
         batch: run jobs queued together in one transaction (see :meth:`_run_batch`).
+        max_batch: at most this many jobs in one transaction.
     """
 
-    def __init__(self, connect: Callable[[], sqlite3.Connection], *, batch: bool = True) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], sqlite3.Connection],
+        *,
+        batch: bool = True,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         self._connect = connect
         self._batch = batch
+        self._max_batch = max_batch
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._conn: sqlite3.Connection | None = None
         self._open = False
@@ -191,7 +198,7 @@ class ConnectionThread:
                 _answer_one(*_run_one(job))
                 continue
             batch = [job]
-            while len(batch) < MAX_BATCH:  # and whatever else is queued already
+            while len(batch) < self._max_batch:  # and whatever else is queued already
                 try:
                     batch.append(jobs.get_nowait())
                 except queue.Empty:
@@ -290,9 +297,17 @@ class SQLiteDriver:
         timeout: seconds a statement waits for the database lock before failing
             (sqlite3's ``timeout``, and ``busy_timeout`` through :func:`pragmas`).
         batch: run operations queued together in one transaction.
+        max_batch: at most this many operations in one transaction.
     """
 
-    def __init__(self, engine: AsyncEngine, *, timeout: float = 5.0, batch: bool = False) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        timeout: float = 5.0,
+        batch: bool = False,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         args, kwargs = engine.dialect.create_connect_args(engine.url)
         self._database: str = args[0]
         self._kwargs: dict[str, Any] = {
@@ -303,6 +318,7 @@ class SQLiteDriver:
         }
         self._timeout = timeout
         self._batch = batch
+        self._max_batch = max_batch
         self._thread: ConnectionThread | None = None
         self._lock = asyncio.Lock()
 
@@ -322,7 +338,9 @@ class SQLiteDriver:
                 if self._thread is None or not self._thread.alive:
                     if self._thread is not None:  # stopped on a broken connection
                         await self._thread.close()
-                    fresh = ConnectionThread(self._open, batch=self._batch)
+                    fresh = ConnectionThread(
+                        self._open, batch=self._batch, max_batch=self._max_batch
+                    )
                     await fresh.start()
                     self._thread = fresh
                 thread = self._thread
@@ -334,11 +352,11 @@ class SQLiteDriver:
             if conn is None or not conn.alive:
                 conn = await self._connection()
             return await conn._execute(fn, conn._conn, *args)
-        except DRIVER_ERRORS as exc:
-            if breaks(exc, SQLITE_BROKEN) and self._thread is not None:
+        except SQLITE_ERRORS.errors as exc:
+            if SQLITE_ERRORS.breaks(exc) and self._thread is not None:
                 broken, self._thread = self._thread, None
                 await broken.close()
-            raise translate(exc) from exc
+            raise SQLITE_ERRORS.translate(exc) from exc
 
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
         return await self._run(
@@ -368,7 +386,7 @@ class EngineSQLiteDriver:
         self._engine = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
-        try:
+        with SQLITE_ERRORS:
             async with self._engine.connect() as conn:
                 claim = SQLITE["claim"]
                 if (await conn.exec_driver_sql(claim.sql, claim.args(values))).first():
@@ -376,23 +394,19 @@ class EngineSQLiteDriver:
                 select = SQLITE["select"]
                 row = (await conn.exec_driver_sql(select.sql, select.args(values))).first()
                 return False, None if row is None else tuple(row)
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
 
     async def rowcount(self, name: str, values: dict[str, Any]) -> int:
         stmt = SQLITE[name]
-        try:
+        with SQLITE_ERRORS:
             async with self._engine.connect() as conn:
                 return (await conn.exec_driver_sql(stmt.sql, stmt.args(values))).rowcount
-        except DRIVER_ERRORS as exc:
-            raise translate(exc) from exc
 
     async def close(self) -> None:
         return None
 
 
 def sqlite_driver(
-    engine: AsyncEngine, *, timeout: float, batch: bool | None = None
+    engine: AsyncEngine, *, timeout: float, batch: bool, max_batch: int = MAX_BATCH
 ) -> SQLiteDriver | EngineSQLiteDriver:
     """The hot path for ``engine``'s database: a connection thread, unless it is in memory."""
     args, kwargs = engine.dialect.create_connect_args(engine.url)
@@ -403,7 +417,7 @@ def sqlite_driver(
     )
     if in_memory:
         return EngineSQLiteDriver(engine)
-    return SQLiteDriver(engine, timeout=timeout, batch=BATCH if batch is None else batch)
+    return SQLiteDriver(engine, timeout=timeout, batch=batch, max_batch=max_batch)
 
 
 def pragmas(timeout: float) -> Callable[[Any, Any], None]:
@@ -428,3 +442,55 @@ def pragmas(timeout: float) -> Callable[[Any, Any], None]:
         cursor.close()
 
     return set_pragmas
+
+
+async def _create_schema(
+    engine: AsyncEngine, autocommit: AsyncEngine, command_timeout: float
+) -> None:
+    # Workers starting together queue for the write lock below: load what stamping the
+    # head needs (alembic, the migration scripts) before taking it, not while the
+    # others wait.
+    from ..migrations import warm
+
+    await asyncio.to_thread(warm)
+    # pysqlite opens no transaction for DDL, and a deferred one would let two workers
+    # both see no table: take SQLite's write lock first (busy timeout).
+    async with autocommit.connect() as conn:
+        await conn.exec_driver_sql("BEGIN IMMEDIATE")
+        try:
+            await conn.run_sync(create_tables)
+        except BaseException:
+            await conn.exec_driver_sql("ROLLBACK")
+            raise
+        await conn.exec_driver_sql("COMMIT")
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    return sqlite_driver(
+        engine, timeout=options.timeout, batch=options.batching, max_batch=options.max_batch
+    )
+
+
+def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
+    return {"connect_args": {"timeout": command_timeout}}
+
+
+def _configure_engine(engine: AsyncEngine, command_timeout: float) -> None:
+    event.listen(engine.sync_engine, "connect", pragmas(command_timeout))
+
+
+DIALECT = SQLDialect(
+    label="SQLite",
+    driver="aiosqlite",
+    errors=SQLITE_ERRORS,
+    time=sqlite_time,
+    hot_path=_hot_path,
+    engine_options=_engine_options,
+    configure_engine=_configure_engine,
+    create_schema=_create_schema,
+    prune=prune_by_key,
+    embedded=True,
+    # One writer at a time: operations queued behind the lock share its transaction.
+    batching=True,
+    can_batch=True,
+)

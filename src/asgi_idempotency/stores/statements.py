@@ -12,14 +12,10 @@ folded into the insert).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any, cast
 
-import orjson
 from sqlalchemy import (
     ClauseElement,
-    Delete,
     Dialect,
     Select,
     String,
@@ -44,7 +40,7 @@ from sqlalchemy.dialects.sqlite.aiosqlite import dialect as _aiosqlite_dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnClause
 
-from .base import STATUS_OF, Record, RecordStatus, StoredResponse
+from .base import RecordStatus
 from .schema import MYSQL_DIALECTS, UTCDateTime, records
 
 __all__ = [
@@ -57,16 +53,6 @@ __all__ = [
     "REPLACE",
     "SQLITE",
     "Compiled",
-    "as_time",
-    "buckets_query",
-    "count_expired_query",
-    "decode_headers",
-    "encode_headers",
-    "find_query",
-    "get_query",
-    "prune_statement",
-    "sqlite_time",
-    "to_record",
 ]
 
 _t = records
@@ -237,107 +223,6 @@ PG = _compile_all(_asyncpg_dialect())  # type: ignore[no-untyped-call]  # untype
 SQLITE = _compile_all(_aiosqlite_dialect())
 # asyncmy's server-side prepared statements take MySQL's own ``?`` placeholders.
 MYSQL = _compile_all(_asyncmy_dialect(paramstyle="qmark"))
-
-# Off the hot path: Core statements, run on an autocommit connection.
-
-
-def get_query(key: str) -> Select[Any]:
-    return select(*RECORD_COLUMNS).where(_t.c.key == key)
-
-
-def find_query(prefix: str, limit: int) -> Select[Any]:
-    # Keys are hex digests: a prefix has no LIKE metacharacters to escape.
-    return (
-        select(_t.c.key, *RECORD_COLUMNS)
-        .where(_t.c.key.startswith(prefix, autoescape=True))
-        .order_by(_t.c.key)
-        .limit(limit)
-    )
-
-
-def buckets_query(now: datetime) -> Select[Any]:
-    expired = (_t.c.expires_at <= now).label("expired")
-    lease_over = (_t.c.locked_until <= now).label("lease_over")
-    return select(
-        _t.c.status, expired, lease_over, func.count().label("n"), func.min(_t.c.created_at)
-    ).group_by(_t.c.status, expired, lease_over)
-
-
-def count_expired_query(now: datetime) -> Select[Any]:
-    return select(func.count()).select_from(_t).where(_t.c.expires_at <= now)
-
-
-def prune_statement(now: datetime, batch_size: int, *, postgres: bool) -> Delete:
-    """One batch of the prune: up to ``batch_size`` rows expired at ``now``, found by index."""
-    if not postgres:
-        victims = select(_t.c.key).where(_t.c.expires_at <= now).limit(batch_size)
-        return delete(_t).where(_t.c.key.in_(victims.scalar_subquery()))
-    # Postgres: the victims by ctid, not by key. The rows are then deleted where they
-    # lie (a TID scan) instead of each found again through the primary key, which made
-    # a batch about twice as long on a table of millions (bench/results/NOTES.md).
-    # Rows a concurrent claim is taking over are locked by it: skipped, never waited on.
-    # The subquery holds its lock on each victim until the delete, which still checks
-    # the expiry, so a row renewed in between is not touched.
-    ctid: ColumnClause[Any] = literal_column("ctid")
-    victims = (
-        select(ctid)
-        .where(_t.c.expires_at <= now)
-        .limit(batch_size)
-        .with_for_update(skip_locked=True)
-    )
-    return delete(_t).where(ctid == func.any(func.array(victims.scalar_subquery())),
-                            _t.c.expires_at <= now)  # fmt: skip
-
-
-# Values across the driver boundary.
-
-
-def encode_headers(headers: tuple[tuple[bytes, bytes], ...]) -> bytes:
-    """Stored-response headers as bytes: a JSON list of latin-1 ``[name, value]`` pairs."""
-    return orjson.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers])
-
-
-def decode_headers(raw: bytes) -> tuple[tuple[bytes, bytes], ...]:
-    return tuple([(k.encode("latin-1"), v.encode("latin-1")) for k, v in orjson.loads(raw)])
-
-
-def sqlite_time(value: datetime) -> str:
-    """SQLAlchemy's SQLite DATETIME storage format (naive UTC, fixed width).
-
-    Rows written by Core and by the hot path then compare correctly as text.
-    """
-    v = value if value.tzinfo is UTC else value.astimezone(UTC)
-    return "%04d-%02d-%02d %02d:%02d:%02d.%06d" % (  # noqa: UP031  # the fastest spelling
-        v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond
-    )  # fmt: skip
-
-
-def as_time(value: Any) -> datetime:
-    """An aware UTC datetime from what a driver returns (asyncpg: aware; SQLite: naive text)."""
-    if type(value) is datetime and value.tzinfo is not None:
-        return value
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    assert isinstance(value, datetime)
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def to_record(key: str, row: Sequence[Any]) -> Record:
-    """A :class:`Record` from ``row``, which holds :data:`RECORD_COLUMNS` in order."""
-    response = None
-    if row[6] is not None:
-        response = StoredResponse(status=row[6], headers=decode_headers(row[7]), body=bytes(row[8]))
-    return Record(
-        key=key,
-        request_hash=row[0],
-        status=STATUS_OF[row[1]],
-        token=row[2],
-        created_at=as_time(row[3]),
-        locked_until=as_time(row[4]),
-        expires_at=as_time(row[5]),
-        response=response,
-    )
-
 
 # Batched hot path (Postgres, ``SQLStore(batching=True)``): one statement carries many
 # requests, as parallel arrays unnested into rows. Each request's answer is its own row
