@@ -503,3 +503,30 @@ def test_console_script(db: str) -> None:
     assert down.returncode == 3
     assert "cannot use the database" in down.stderr
     assert "Traceback" not in down.stderr
+
+
+@pytest.mark.postgres
+def test_demo_as_a_user_who_may_not_create_databases_says_so(
+    pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Decided by the error's type (Postgres's insufficient_privilege), not its words.
+    role = f"idem_nocreate_{uuid.uuid4().hex[:8]}"
+    admin_url = pg_url.rsplit("/", 1)[0] + "/postgres"
+
+    async def admin(statement: str) -> None:
+        engine = create_async_engine(admin_url, isolation_level="AUTOCOMMIT")
+        try:
+            async with engine.connect() as conn:
+                await conn.execute(text(statement))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(admin(f'CREATE ROLE "{role}" LOGIN NOCREATEDB'))
+    try:
+        url = normalize_url(admin_url).replace("//postgres@", f"//{role}@", 1)
+        assert role in url
+        code, _, err = run(capsys, "demo", "--database-url", url)
+        assert code == Exit.UNREACHABLE
+        assert "this user may not create databases (grant CREATEDB" in err
+    finally:
+        asyncio.run(admin(f'DROP ROLE "{role}"'))

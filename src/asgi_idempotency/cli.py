@@ -44,11 +44,13 @@ import textwrap
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from . import __version__
+from .errors import SchemaMissing, StoreError
 from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
 from .urls import async_url as normalize_url
 
@@ -106,32 +108,51 @@ class CLIError(Exception):
         self.code = code
 
 
-def _is_missing_table(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:  # bounded: each link once
-        seen.add(id(current))
-        text = str(current).lower()
-        if "no such table" in text or ("idempotency_records" in text and "does not exist" in text):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+def _failure_table() -> tuple[tuple[type[StoreError], Exit, str], ...]:
+    """Every store failure's exit code and what the command says, the first match winning.
 
+    Stores raise :class:`StoreError` subclasses by type at their drivers' boundaries
+    (a missing table is :class:`SchemaMissing` there), so the CLI decides by type alone.
+    """
+    from .demo import CannotCreateDatabase
 
-def _database_error(exc: BaseException, url: str) -> CLIError:
-    """Translate a store or driver failure into exit code 3 or 4."""
-    if _is_missing_table(exc):
-        return CLIError(
+    return (
+        (
+            SchemaMissing,
             Exit.NO_SCHEMA,
-            f"the idempotency_records table does not exist in {redact(url)}: "
+            "the idempotency_records table does not exist in {url}: "
             "run `asgi-idempotency migrate` first",
-        )
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    return CLIError(
-        Exit.UNREACHABLE,
-        f"cannot use the database at {redact(url)}: {type(cause).__name__}: {detail}",
+        ),
+        (
+            CannotCreateDatabase,
+            Exit.UNREACHABLE,
+            "cannot run the demo on {url}: it creates a scratch database and drops it "
+            "afterwards, and this user may not create databases (grant CREATEDB, or use "
+            "a user who may)",
+        ),
+        (StoreError, Exit.UNREACHABLE, "cannot use the database at {url}: {reason}"),
     )
+
+
+def _database_error(exc: StoreError, url: str) -> CLIError:
+    """The exit code and the line for a store failure (:func:`_failure_table`)."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for kind, code, text in _failure_table():
+        if isinstance(exc, kind):
+            return CLIError(code, text.format(url=redact(url), reason=reason))
+    raise AssertionError("StoreError is the table's last row")  # pragma: no cover
+
+
+def _store_errors(url: str) -> AbstractContextManager[None]:
+    """The error boundary of the SQL driver ``url`` names: its failures become StoreError."""
+    from sqlalchemy import make_url
+
+    from .stores.dialect import dialect_named
+
+    try:
+        return dialect_named(make_url(normalize_url(url)).get_backend_name()).errors
+    except ValueError:  # not a SQL backend: the command itself says so
+        return nullcontext()
 
 
 def _fmt_time(value: datetime | None, now: datetime) -> str:
@@ -162,7 +183,6 @@ def _iso(value: datetime | None) -> str | None:
 async def _with_store(
     url: str, command_timeout: float, body: Callable[[Any], Awaitable[Exit]]
 ) -> Exit:
-    from .stores.base import StoreError
     from .stores.sql import SQLStore
 
     store = (
@@ -213,16 +233,15 @@ def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
         from .migrations import SchemaConflict, UnknownRevision, upgrade
     except ImportError as exc:
         raise CLIError(Exit.INTERNAL, f"this build carries no migrations: {exc}") from exc
-    from sqlalchemy.exc import SQLAlchemyError
-
     try:
-        upgrade(url)
+        with _store_errors(url):
+            upgrade(url)
     except SchemaConflict as exc:
         raise CLIError(Exit.UNREACHABLE, f"cannot migrate {redact(url)}: {exc}") from exc
     except UnknownRevision as exc:
         # Not a bug, and retrying will not help: the operator runs the wrong version.
         raise CLIError(Exit.USAGE, f"cannot migrate {redact(url)}: {exc}") from None
-    except (SQLAlchemyError, OSError, TimeoutError) as exc:
+    except StoreError as exc:
         raise _database_error(exc, url) from exc
     print(f"migrated {redact(url)} to the latest revision", file=out)
     return Exit.OK
@@ -441,22 +460,12 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
 
 def _demo_database(url: str | None, run: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     """``asyncio.run(run())``, with the database's failures as exit 3 and one line."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from .stores.base import StoreError
-
-    try:
+    if url is None:
         return asyncio.run(run())
-    except (StoreError, SQLAlchemyError, OSError, TimeoutError) as exc:
-        if url is None:
-            raise
-        if "permission denied to create database" in str(exc):
-            raise CLIError(
-                Exit.UNREACHABLE,
-                f"cannot run the demo on {redact(url)}: it creates a scratch database "
-                "and drops it afterwards, and this user may not create databases "
-                "(grant CREATEDB, or use a user who may)",
-            ) from exc
+    try:
+        with _store_errors(url):
+            return asyncio.run(run())
+    except StoreError as exc:
         raise _database_error(exc, url) from exc
 
 

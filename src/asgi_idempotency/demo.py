@@ -22,19 +22,32 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .errors import StoreError
 from .middleware import IdempotencyMiddleware
 from .policy import Policy
 from .stores.sql import SQLStore
 from .transactional import get_connection
 
 # and `app`, built on access
-__all__ = ["count_refunds", "create_app", "refunds", "run_demo", "scratch_database"]
+__all__ = [
+    "CannotCreateDatabase",
+    "count_refunds",
+    "create_app",
+    "refunds",
+    "run_demo",
+    "scratch_database",
+]
+
+
+class CannotCreateDatabase(StoreError):
+    """The demo's user may not create its scratch databases (no ``CREATEDB``)."""
 
 demo_metadata = MetaData()
 refunds = Table(
@@ -280,6 +293,9 @@ async def run_demo(url: str | None = None) -> int:
 SCRATCH_PREFIX = "asgi_idempotency_demo_"
 
 
+_INSUFFICIENT_PRIVILEGE = "42501"  # Postgres's SQLSTATE for a permission denied
+
+
 @asynccontextmanager
 async def scratch_database(url: str, *, say: Any = print) -> AsyncIterator[str]:
     """A new, empty Postgres database beside the one ``url`` names; yields its URL.
@@ -298,8 +314,13 @@ async def scratch_database(url: str, *, say: Any = print) -> AsyncIterator[str]:
     name = f"{SCRATCH_PREFIX}{uuid.uuid4().hex[:12]}"
     admin = create_async_engine(given, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     try:
-        async with admin.connect() as conn:
-            await conn.execute(text(f'CREATE DATABASE "{name}"'))
+        try:
+            async with admin.connect() as conn:
+                await conn.execute(text(f'CREATE DATABASE "{name}"'))
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _INSUFFICIENT_PRIVILEGE:
+                raise
+            raise CannotCreateDatabase(StoreError.wrap(exc.orig or exc).args[0]) from exc
         scratch = given.set(database=name).render_as_string(hide_password=False)
         say(f"(scratch database {redact(scratch)}, dropped afterwards)")
         try:

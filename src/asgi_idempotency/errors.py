@@ -13,23 +13,31 @@
     ├── PrincipalMissing        401  the request names no caller, and keys are per caller
     ├── PrincipalMisconfigured  500  the guard cannot tell callers apart as wired: names the fix
     └── StoreUnavailable        503  the store failed, the handler never ran (Retry-After; no-store)
-        └── StoreError               raised by a store: unreachable, timed out, driver error
-            └── SchemaMissing        the table or its migration is missing: names the fix
+
+    StoreError                  infrastructure: a store could not answer (unreachable,
+    │                           timed out, read-only, a driver error); the function did not run
+    └── SchemaMissing           the table or its migration is missing: names the fix
 
     OnceError                   the function guard's answers (asgi_idempotency.Once)
     ├── InProgress              same key still running elsewhere (retry_after, seconds)
     └── KeyReused               same key, other arguments or another function
 
-The function guard's answers are a root of their own, not ``IdempotencyError`` s: they
-are raised to a caller in the same process, never rendered as HTTP problems, and an
-app's handler for ``IdempotencyError`` must not turn a function call's ``InProgress``
-into a 409 of the request that made it. A store failure under the function guard is
-the same :class:`StoreError` as anywhere (the function did not run).
+Three roots, because they reach three different audiences. ``IdempotencyError`` s are
+HTTP answers: the middleware sends them as problems. A :class:`StoreError` is a
+failure of the infrastructure, raised by a store to whoever called it (the middleware,
+the function guard, the pruner, the CLI), each of which decides what it means: the
+responder alone turns it into its 503 answer (:class:`StoreUnavailable`), the
+function guard raises it to its caller, the CLI exits 3 (4 for
+:class:`SchemaMissing`). The function guard's answers are raised to a caller in the
+same process, never rendered as HTTP problems, and an app's handler for
+``IdempotencyError`` must not turn a function call's ``InProgress`` into a 409 of the
+request that made it.
 
-Stores translate their driver's exceptions into :class:`StoreError` at their own
-boundary (``raise StoreError(...) from exc``), so nothing above ``stores/`` ever
-catches a driver type. The client half (``asgi_idempotency.client``) has errors of
-its own and imports nothing from here.
+Stores map their driver's exceptions to :class:`StoreError` at one boundary per
+driver (``stores/sqlerrors.py``, the Redis store's ``_call``), so nothing above
+``stores/`` ever catches a driver type, and what is not the driver's (a bug of ours)
+stays what it is: a logged 500, never a 503. The client half
+(``asgi_idempotency.client``) has errors of its own and imports nothing from here.
 
 Every error has two texts: ``detail``, the sentence every client may read in the
 problem body, and ``str(exc)``, the message for the server's log. They are the same
@@ -195,17 +203,19 @@ UNAVAILABLE_DETAIL = (
 )
 
 
-class StoreError(StoreUnavailable):
+class StoreError(Exception):
     """A store could not answer: unreachable, timed out, read-only, or a driver error.
 
-    ``str(exc)`` names the driver's exception class and its message (credentials
-    removed), never a key or a body: it is for the log. ``detail``, what a client may
-    see, is a fixed sentence. The middleware answers such a failure with its own 503
-    (or runs the handler unguarded with ``fail_open``).
+    An infrastructure failure, not an HTTP answer: ``str(exc)`` names the driver's
+    exception class and its message (credentials removed), never a key or a body: it
+    is for the log. ``detail``, what a client may see, is a fixed sentence. The
+    middleware answers such a failure with its own 503 (:class:`StoreUnavailable`),
+    or runs the handler unguarded with ``fail_open``.
     """
 
     def __init__(self, message: str, *, detail: str = UNAVAILABLE_DETAIL) -> None:
-        super().__init__(detail, message=message)
+        super().__init__(message)
+        self.detail = detail
 
     @classmethod
     def wrap(cls, exc: BaseException) -> StoreError:

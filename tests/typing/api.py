@@ -334,15 +334,16 @@ def errors(exc: Exception) -> int | None:
         KeyMismatch,
         RequestInProgress,
         StoreUnavailable,
-        StoreError,
-        SchemaMissing,
         PrincipalMissing,
         PrincipalMisconfigured,
         ResponseNotKept,
         InvalidSignature,
     ]
+    infrastructure: list[type[StoreError]] = [StoreError, SchemaMissing]
     missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
-    unavailable: StoreUnavailable = StoreError.wrap(exc)
+    unavailable: Exception = StoreError.wrap(exc)
+    not_an_answer: IdempotencyError = StoreError.wrap(exc)  # type: ignore[assignment]
+    answer: IdempotencyError = StoreUnavailable(StoreError.wrap(exc).detail, retry_after=1)
     assert_type(StoreError.wrap(exc), StoreError)
     StoreError("down", retry_after=1.0)  # type: ignore[call-arg]  # a store error's own rule
     in_progress = RequestInProgress("running", retry_after=1.5)
@@ -352,7 +353,7 @@ def errors(exc: Exception) -> int | None:
         assert_type(exc.body(), bytes)
         assert_type(exc.headers(), list[tuple[bytes, bytes]])
         return exc.status
-    del tree, unavailable, in_progress, bad_json, missing
+    del tree, infrastructure, unavailable, not_an_answer, answer, in_progress, bad_json, missing
     return None
 
 

@@ -19,7 +19,7 @@ import asyncpg
 from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from ..errors import StoreError
+from ..errors import SchemaMissing, StoreError
 
 __all__ = ["MYSQL_ERRORS", "PG_ERRORS", "SQLITE_ERRORS", "ErrorBoundary", "translate"]
 
@@ -42,6 +42,16 @@ _ASYNCPG_ADAPTED: type[Exception] = AsyncAdapt_asyncpg_dbapi.Error
 _COMMON: tuple[type[BaseException], ...] = (SQLAlchemyError, OSError, TimeoutError)
 
 
+def _driver_exception(exc: BaseException) -> BaseException:
+    """The driver's own exception inside SQLAlchemy's wrappers."""
+    driver = exc
+    if isinstance(driver, DBAPIError) and driver.orig is not None:
+        driver = driver.orig
+    if isinstance(driver, _ASYNCPG_ADAPTED) and driver.__cause__ is not None:
+        driver = driver.__cause__
+    return driver
+
+
 def translate(exc: BaseException) -> StoreError:
     """The store error for a driver's exception (raise it ``from exc``).
 
@@ -50,31 +60,47 @@ def translate(exc: BaseException) -> StoreError:
     wrappers, whose text would add the statement and its parameters, and with any
     credentials masked (:meth:`StoreError.wrap`).
     """
-    driver = exc
-    if isinstance(driver, DBAPIError) and driver.orig is not None:
-        driver = driver.orig
-    if isinstance(driver, _ASYNCPG_ADAPTED) and driver.__cause__ is not None:
-        driver = driver.__cause__
-    return StoreError.wrap(driver)
+    return StoreError.wrap(_driver_exception(exc))
+
+
+# What a client may read when the records table is missing (the log has the driver's words).
+_NO_TABLE_DETAIL = (
+    "The idempotency store's table is missing: run `asgi-idempotency migrate "
+    "--database-url URL` on its database."
+)
+
+
+def _never(exc: BaseException) -> bool:
+    return False
 
 
 class ErrorBoundary:
     """One driver's failures, mapped to :class:`StoreError` in one place.
 
-    ``with boundary:`` around driver work raises :func:`translate` of any of
+    ``with boundary:`` around driver work raises :meth:`translate` of any of
     :attr:`errors` that escapes it; anything else passes unchanged (a bug is a bug).
     Stateless, so one instance serves every call, nested or concurrent. Paths that
     must also drop a broken connection catch :attr:`errors` themselves, ask
     :meth:`breaks`, and raise :meth:`translate`.
+
+    Args:
+        errors: the exception types that are this driver's failures.
+        breaks: whether such a failure leaves its connection unusable.
+        missing_table: whether it says the records table does not exist; it then
+            becomes :class:`SchemaMissing`, whose fix is a migration, not a retry.
     """
 
-    __slots__ = ("_breaks", "errors")
+    __slots__ = ("_breaks", "_missing_table", "errors")
 
     def __init__(
-        self, errors: tuple[type[BaseException], ...], breaks: Callable[[BaseException], bool]
+        self,
+        errors: tuple[type[BaseException], ...],
+        breaks: Callable[[BaseException], bool],
+        missing_table: Callable[[BaseException], bool] = _never,
     ) -> None:
         self.errors = errors
         self._breaks = breaks
+        self._missing_table = missing_table
 
     def __enter__(self) -> None:
         return None
@@ -86,13 +112,19 @@ class ErrorBoundary:
         tb: TracebackType | None,
     ) -> None:
         if exc is not None and isinstance(exc, self.errors) and not isinstance(exc, StoreError):
-            raise translate(exc) from exc
+            raise self.translate(exc) from exc
 
     def breaks(self, exc: BaseException) -> bool:
         """Whether ``exc`` (one of :attr:`errors`) leaves the connection unusable."""
         return self._breaks(exc)
 
-    translate = staticmethod(translate)
+    def translate(self, exc: BaseException) -> StoreError:
+        """The :class:`StoreError` for one of :attr:`errors` (raise it ``from exc``)."""
+        driver = _driver_exception(exc)
+        if self._missing_table(driver):
+            message = StoreError.wrap(driver).args[0]
+            return SchemaMissing(message, detail=_NO_TABLE_DETAIL)
+        return StoreError.wrap(driver)
 
 
 # Failures after which a Postgres connection is not reused, besides asyncpg reporting
@@ -123,6 +155,7 @@ PG_ERRORS = ErrorBoundary(
         asyncpg.InternalClientError,
     ),
     _pg_breaks,
+    missing_table=lambda exc: isinstance(exc, asyncpg.UndefinedTableError),
 )
 
 # sqlite3 raises ProgrammingError on a closed connection; aiosqlite (the engine's
@@ -139,7 +172,15 @@ def _sqlite_breaks(exc: BaseException) -> bool:
     return isinstance(exc, _SQLITE_BROKEN) and not isinstance(exc, TimeoutError)
 
 
-SQLITE_ERRORS = ErrorBoundary((*_COMMON, sqlite3.Error, ValueError), _sqlite_breaks)
+def _sqlite_no_table(exc: BaseException) -> bool:
+    # SQLite reports a missing table with its generic error code (SQLITE_ERROR); its
+    # message is all there is to tell it by.
+    return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith("no such table")
+
+
+SQLITE_ERRORS = ErrorBoundary(
+    (*_COMMON, sqlite3.Error, ValueError), _sqlite_breaks, missing_table=_sqlite_no_table
+)
 
 
 # Server errors after which a MariaDB/MySQL connection is gone: shutdown (1053), killed
@@ -159,4 +200,8 @@ def _mysql_breaks(exc: BaseException) -> bool:
 # asyncmy: every server error (a deadlock, 1213, and a lock wait timeout, 1205,
 # included: the statement was rolled back, the client gets 503 and retries) and the
 # client's own (2013, lost connection, also on its read timeout).
-MYSQL_ERRORS = ErrorBoundary((*_COMMON, _MySQLError), _mysql_breaks)
+def _mysql_no_table(exc: BaseException) -> bool:
+    return isinstance(exc, _MySQLError) and bool(exc.args) and exc.args[0] == 1146
+
+
+MYSQL_ERRORS = ErrorBoundary((*_COMMON, _MySQLError), _mysql_breaks, missing_table=_mysql_no_table)
