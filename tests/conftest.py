@@ -293,6 +293,8 @@ def mariadb_url(mariadb_server: MariaDBServer) -> Iterator[str]:
 
 STORE_KINDS = [
     "memory",
+    # The lifecycle suite's fake (tests/scripted_store.py), held to the same contract.
+    "fake",
     "sqlite",
     pytest.param("postgres", marks=pytest.mark.postgres),
     # The same Postgres store with natural batching (SQLStore(batching=True)).
@@ -308,6 +310,11 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
     """An empty store of ``kind`` (one of :data:`STORE_KINDS`), closed afterwards."""
     if kind == "memory":
         yield MemoryStore()
+        return
+    if kind == "fake":
+        from tests.scripted_store import ScriptedStore
+
+        yield ScriptedStore()
         return
     if kind.startswith("redis"):
         fixture = "redis_cluster_url" if kind == "redis_cluster" else "redis_url"

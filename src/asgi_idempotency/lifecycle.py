@@ -9,6 +9,8 @@ module says what their answers mean:
   in the way and, where the request may have it, take it over by compare-and-swap;
 - :func:`completes` — whether a handler's response completes the key or releases it;
 - :func:`completion_retries` — when to try again a completion that the store failed;
+- :func:`release_orphan` — what becomes of a claim whose requester went away while
+  it was in flight (the orphaned claim);
 - :func:`in_progress_wait` — the ``Retry-After`` of a 409.
 
 ============================  ===========  =====  ==========================
@@ -34,7 +36,9 @@ by it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Literal, NamedTuple, Protocol
 
@@ -50,6 +54,7 @@ __all__ = [
     "completion_retries",
     "in_progress_wait",
     "judge",
+    "release_orphan",
     "state",
     "state_of",
 ]
@@ -160,10 +165,17 @@ async def claim(
     now: datetime,
     locked_until: datetime,
     expires_at: datetime,
+    orphaned: Callable[[NewClaim], object] | None = None,
 ) -> Claim:
     """Claim ``key`` for ``token``: one insert, and a compare-and-swap only to take over.
 
     Round trips: a fresh key 1; a replay, 409 or 422 1; a take-over 2.
+
+    ``orphaned``, when given, is called with the claim if the caller is cancelled while
+    a statement of the claim is in flight: the claim may then have landed, or may land
+    in a moment, for a requester that is gone. The caller hands it to
+    :func:`release_orphan` in the background (a transaction's claim needs none: it
+    rolls back).
 
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
@@ -173,18 +185,56 @@ async def claim(
         # refuses lease > ttl, this holds it for any caller.
         expires_at = locked_until
     new = NewClaim(key, request_hash, token, now, locked_until, expires_at)
-    for _ in range(CLAIM_ATTEMPTS):
-        existing = await store.insert(new)
-        if existing is None:
-            return CLAIMED
-        if existing is BUSY:
-            return _LOCKED_ELSEWHERE
-        outcome = judge(existing, request_hash, now)
-        if outcome not in _OWNED:
-            return Claim(outcome, existing)
-        if await store.replace(existing, new):
-            return CLAIMED if outcome is ClaimOutcome.CLAIMED else TAKEN_OVER
+    try:
+        for _ in range(CLAIM_ATTEMPTS):
+            existing = await store.insert(new)
+            if existing is None:
+                return CLAIMED
+            if existing is BUSY:
+                return _LOCKED_ELSEWHERE
+            outcome = judge(existing, request_hash, now)
+            if outcome not in _OWNED:
+                return Claim(outcome, existing)
+            if await store.replace(existing, new):
+                return CLAIMED if outcome is ClaimOutcome.CLAIMED else TAKEN_OVER
+    except asyncio.CancelledError:
+        if orphaned is not None:
+            orphaned(new)
+        raise
     raise StoreError(f"claim did not settle after {CLAIM_ATTEMPTS} attempts")
+
+
+class Releaser(Protocol):
+    async def release(self, key: str, token: str) -> bool: ...
+
+
+async def release_orphan(store: Releaser, new: NewClaim) -> bool:
+    """Release a claim whose requester went away while the claim was in flight.
+
+    Nothing ran for it, so its key must not answer 409 until the lease ends. Whether
+    its statement landed is unknown, and it may land after this begins (it is still on
+    its way, or queued in a batch), so a release fenced by the claim's token is tried
+    at once and then after each delay of :func:`completion_retries` of its lease,
+    until one changes a row. A claim that never landed costs those few releases and
+    changes nothing; one that did is gone within its lease. Failures of the store are
+    retried the same way; the last is raised for the caller's log.
+
+    Returns:
+        Whether a release removed the claim.
+    """
+    failure: StoreError | None = None
+    for delay in (0.0, *completion_retries(new.locked_until - new.now)):
+        if delay:
+            await asyncio.sleep(delay)
+        try:
+            if await store.release(new.key, new.token):
+                return True
+            failure = None
+        except StoreError as exc:
+            failure = exc
+    if failure is not None:
+        raise failure
+    return False
 
 
 # Outcomes a retry could change, so the key is released rather than stored: timeouts,

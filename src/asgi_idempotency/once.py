@@ -45,7 +45,7 @@ from .lease import LeaseRenewals, Renewal
 from .lifecycle import ClaimOutcome
 from .observer import Observer
 from .policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
-from .stores.base import Store, StoredResponse, utcnow
+from .stores.base import NewClaim, Store, StoredResponse, utcnow
 
 __all__ = ["Codec", "InProgress", "KeyReused", "Once"]
 
@@ -343,6 +343,7 @@ class Once:
             claim = await lifecycle.claim(
                 self.store, call.key, call.fingerprint, token,
                 now=now, locked_until=now + self.lease, expires_at=now + self.ttl,
+                orphaned=functools.partial(self._orphaned, call),
             )  # fmt: skip
             outcome = claim.outcome
             if claim.owned:
@@ -425,6 +426,14 @@ class Once:
         except asyncio.CancelledError:
             task.add_done_callback(functools.partial(self._log_failure, call, phase))
             raise
+
+    def _orphaned(self, call: _Call, new: NewClaim) -> None:
+        """A claim whose caller was cancelled while it was in flight: release it
+        (:func:`.lifecycle.release_orphan`) in the background."""
+        task = asyncio.ensure_future(lifecycle.release_orphan(self.store, new))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(functools.partial(self._log_failure, call, "release"))
 
     def _log_failure(self, call: _Call, phase: str, task: asyncio.Task[Any]) -> None:
         # Nobody awaits the task any more: its failure would otherwise go unseen.

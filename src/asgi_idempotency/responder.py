@@ -59,6 +59,7 @@ from .observer import Observer, logger
 from .policy import Policy
 from .regenerated import RegeneratedKeys
 from .stores.base import (
+    NewClaim,
     RecordStatus,
     Store,
     StoredResponse,
@@ -117,6 +118,12 @@ class Runtime:
         self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
+
+    def orphaned(self, new: NewClaim) -> None:
+        """A claim whose request was cancelled while it was in flight: release it
+        (:func:`.lifecycle.release_orphan`) in the background."""
+        release = functools.partial(lifecycle.release_orphan, self.store, new)
+        self.rerun(release, "", new.key, "release")
 
     def rerun(
         self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
@@ -362,6 +369,8 @@ class Responder:
             now=now,
             locked_until=now + policy.lease,
             expires_at=now + policy.ttl,
+            # A transaction's claim rolls back with it; the store's stays unless released.
+            orphaned=rt.orphaned if self.tx is None else None,
         )
         try:
             if span is None and not rt.observer.timing:

@@ -1,0 +1,104 @@
+"""A claim whose requester went away while it was in flight is released, on every store.
+
+The claim's statement lands, and its requester is cancelled before the answer reaches
+it (a client gone, a server shutting down, a consumer stopped): nothing ran, so the
+key must not answer 409 until the lease ends. The middleware and the function guard
+hand such a claim to :func:`lifecycle.release_orphan`; the next attempt runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from asgi_idempotency import IdempotencyMiddleware, Once
+from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.once import record_key
+from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.stores.base import NewClaim, Record, Store
+
+pytestmark = pytest.mark.anyio
+
+WAIT = 10.0  # seconds before a test fails rather than hangs
+
+
+class LandsThenHangs:
+    """The store, except that its first claim lands and its answer never comes back."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.landed = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def insert(self, new: NewClaim) -> Record | None:
+        got = await self.inner.insert(new)
+        if not self.landed.is_set():
+            self.landed.set()
+            await asyncio.Event().wait()  # until cancelled
+        return got
+
+
+async def gone(store: Store, key: str) -> None:
+    # Polled: the release runs in the guard's background task, which has no signal.
+    async with asyncio.timeout(WAIT):
+        while await store.get(key) is not None:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def test_a_request_cancelled_during_its_claim_leaves_the_key_free(store: Store) -> None:
+    runs = 0
+
+    async def refund(request: Request) -> JSONResponse:
+        nonlocal runs
+        runs += 1
+        return JSONResponse({"refund": runs}, status_code=201)
+
+    hanging = LandsThenHangs(store)
+    app = Starlette(
+        routes=[Route("/refunds", refund, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=hanging, principal=ANONYMOUS)],
+    )
+    headers = {"idempotency-key": "order-7"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://shop.test"
+    ) as client:
+        first = asyncio.create_task(client.post("/refunds", json={"a": 1}, headers=headers))
+        async with asyncio.timeout(WAIT):
+            await hanging.landed.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await gone(store, scoped_key("", "order-7", "shop.test"))
+        retry = await client.post("/refunds", json={"a": 1}, headers=headers)
+    assert (retry.status_code, runs) == (201, 1)
+
+
+async def test_a_call_cancelled_during_its_claim_leaves_the_key_free(store: Store) -> None:
+    hanging = LandsThenHangs(store)
+    once = Once(hanging, namespace="orphans")  # type: ignore[arg-type]  # a Store by delegation
+    runs = 0
+
+    @once(key=lambda order: order)
+    async def refund(order: str) -> int:
+        nonlocal runs
+        runs += 1
+        return runs
+
+    first = asyncio.create_task(refund("order-7"))
+    async with asyncio.timeout(WAIT):
+        await hanging.landed.wait()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await gone(store, record_key("orphans", "order-7"))
+    assert (await refund("order-7"), runs) == (1, 1)
