@@ -373,7 +373,7 @@ class Claimant:
         self, key: str, request_hash: str, token: str, *, now: datetime,
         locked_until: datetime, expires_at: datetime,
     ) -> Claim:  # fmt: skip
-        times = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
+        times: dict[str, Any] = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
         if not self.transactional:
             return await lifecycle.claim(self.store, key, request_hash, token, **times)
         assert isinstance(self.store, TransactionalStore)

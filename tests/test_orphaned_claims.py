@@ -85,7 +85,7 @@ async def test_a_request_cancelled_during_its_claim_leaves_the_key_free(store: S
 
 async def test_a_call_cancelled_during_its_claim_leaves_the_key_free(store: Store) -> None:
     hanging = LandsThenHangs(store)
-    once = Once(hanging, namespace="orphans")  # type: ignore[arg-type]  # a Store by delegation
+    once = Once(hanging, namespace="orphans")
     runs = 0
 
     @once(key=lambda order: order)
