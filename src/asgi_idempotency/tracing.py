@@ -11,7 +11,8 @@ Attributes (on the current span, the server span of a traced request):
 :class:`~.metrics.Outcome`), ``idempotency.key_digest`` (the first 16 hex digits of
 the scoped key, as the logs print it; never the key), ``idempotency.taken_over``,
 ``idempotency.mode``, and ``http.route`` (the route template). Store spans are named
-``idempotency <operation>`` (claim, complete, release) with ``db.operation.name``.
+``idempotency <operation>`` (claim, complete, release, and mark for the regenerated-key
+detector) with ``db.operation.name``.
 
 The function guard (:class:`~.once.Once`) opens a span of its own per guarded call,
 ``once <namespace>`` (INTERNAL), and puts the same attributes on it, with
