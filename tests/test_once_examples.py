@@ -73,10 +73,10 @@ def section_blocks() -> list[tuple[str, str]]:
 
 
 def test_the_section_has_its_blocks() -> None:
-    assert [lang for lang, _ in section_blocks()] == ["python", "python", "bash"]
+    assert [lang for lang, _ in section_blocks()] == ["python", "python", "bash", "python"]
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_every_code_block_of_the_readme_section_runs_as_printed(
     index: int, tmp_path: Path
 ) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import httpx
 import pytest
 from fastapi import APIRouter, FastAPI, Header
 from fastapi.openapi.models import OpenAPI
+from fastapi.responses import StreamingResponse
 from fastapi.routing import iter_route_contexts
 from starlette.applications import Starlette
 from starlette.types import ASGIApp
@@ -26,6 +27,8 @@ from asgi_idempotency.openapi import (
     install_openapi,
 )
 from asgi_idempotency.policy import ResolvedRoute, lookup, policy_of
+from asgi_idempotency.principals import ANONYMOUS, from_headers
+from asgi_idempotency.responder import STREAM_KEEP_LIMIT
 
 pytestmark = pytest.mark.anyio
 
@@ -178,7 +181,10 @@ async def test_required_optional_and_unguarded_operations() -> None:
     ]:
         operation = paths[template][method]
         assert key_parameter(operation) is None, (method, template)
-        assert not {"400", "409", "413", "503"} & set(operation["responses"]), (method, template)
+        assert not {"400", "401", "409", "410", "413", "503"} & set(operation["responses"]), (
+            method,
+            template,
+        )
         assert all(PROBLEM not in r.get("content", {}) for r in operation["responses"].values())
 
 
@@ -190,6 +196,8 @@ async def test_problem_responses_and_headers() -> None:
     assert problem_types(refunds["413"]) == [URN + "body-too-large"]
     assert problem_types(refunds["422"]) == [URN + "key-reused"]
     assert problem_types(refunds["503"]) == [URN + "store-unavailable"]
+    assert problem_types(refunds["410"]) == [URN + "response-not-kept"]
+    assert "401" not in refunds  # the default principal never answers 401 (see below)
     assert "2048 bytes" in refunds["413"]["description"]  # the policy's own limit
     for status in ("400", "409", "413", "422", "503"):
         media = refunds[status]["content"][PROBLEM]
@@ -407,3 +415,65 @@ async def test_a_webhook_route_documents_its_signature_not_the_key_header() -> N
     assert "urn:asgi-idempotency:problem:invalid-signature" in problem_types(
         operation["responses"]["400"]
     )
+
+
+# --- The guard's own 401 and 410, documented as the middleware sends them.
+
+
+def _caller_app(principal: Any) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/refunds", status_code=201)
+    @idempotent(required=True)
+    async def refund() -> dict[str, int]:
+        return {"refund": 1}
+
+    @app.post("/exports")
+    @idempotent(required=True)
+    async def export() -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):  # past what the guard keeps of a stream
+                yield b"x" * (STREAM_KEEP_LIMIT // 2 + 1)
+
+        return StreamingResponse(chunks(), media_type="text/csv")
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), principal=principal)
+    return app
+
+
+async def test_a_principal_that_can_name_no_caller_documents_the_401_it_sends() -> None:
+    app = _caller_app(from_headers("X-User-Id"))
+    refunds = (await served_schema(app))["paths"]["/refunds"]["post"]["responses"]
+    documented = refunds["401"]["content"][PROBLEM]["examples"]
+    async with client(app) as c:
+        sent = await c.post("/refunds", headers={"Idempotency-Key": "k-1"})  # no X-User-Id
+    assert sent.status_code == 401
+    assert sent.headers["content-type"] == PROBLEM
+    (example,) = documented.values()
+    assert example["value"]["type"] == sent.json()["type"] == URN + "unauthenticated"
+    assert example["value"]["status"] == 401
+    assert refunds["401"]["content"][PROBLEM]["schema"] == {
+        "$ref": f"#/components/schemas/{PROBLEM_SCHEMA_NAME}"
+    }
+
+
+@pytest.mark.parametrize("principal", [ANONYMOUS, None], ids=["anonymous", "default"])
+async def test_no_401_where_the_guard_never_answers_one(principal: Any) -> None:
+    app = _caller_app(principal)
+    refunds = (await served_schema(app))["paths"]["/refunds"]["post"]["responses"]
+    assert "401" not in refunds
+    async with client(app) as c:
+        sent = await c.post("/refunds", headers={"Idempotency-Key": "k-1"})
+    assert sent.status_code == 201
+
+
+async def test_the_410_documented_is_the_one_a_retry_of_an_unkept_stream_gets() -> None:
+    app = _caller_app(ANONYMOUS)
+    exports = (await served_schema(app))["paths"]["/exports"]["post"]["responses"]
+    (example,) = exports["410"]["content"][PROBLEM]["examples"].values()
+    async with client(app) as c:
+        first = await c.post("/exports", headers={"Idempotency-Key": "e-1"})
+        retry = await c.post("/exports", headers={"Idempotency-Key": "e-1"})
+    assert first.status_code == 200
+    assert retry.status_code == 410
+    assert example["value"]["type"] == retry.json()["type"] == URN + "response-not-kept"

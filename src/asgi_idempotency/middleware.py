@@ -98,8 +98,10 @@ class IdempotencyMiddleware:
         detect_regenerated_keys: a window (e.g. ``timedelta(seconds=60)``) within which
             the same caller sending the same request under a different key is counted
             (``suspected_regenerated_keys``) and logged with both key digests: the
-            signature of a client minting keys inside its retry loop. Off by default;
-            in process, no store access (:mod:`.regenerated`).
+            signature of a client minting keys inside its retry loop. Off by default.
+            Seen across every worker and host sharing the store: when on, each request
+            the handler runs for writes one short-lived marker row (one more store
+            round trip; :mod:`.regenerated` has the cost and what ``stats`` shows).
         mode: ``"report"`` puts every guarded route in report-only mode (see
             :class:`Policy`'s ``mode``): records are kept as usual, but every request
             runs and gets the app's own answer; what the guard would have answered

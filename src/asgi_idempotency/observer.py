@@ -20,7 +20,7 @@ from .errors import SchemaMissing
 from .metrics import InMemoryMetrics, MetricsSink, Outcome
 from .tracing import trace as _otel
 
-__all__ = ["Observer", "logger"]
+__all__ = ["Observer", "logger", "store_label"]
 
 # A store that is not ready repeats its reason on every guarded request; say it again
 # only when it changes or after this many seconds, not once per request.
@@ -56,6 +56,14 @@ def _line(event: str, fields: dict[str, Any], hint: str = "") -> str:
     if hint:
         text = f"{text} -- {hint}"
     return " ".join(text.split()) if "\n" in text or "\r" in text else text
+
+
+def store_label(store: object) -> str:
+    """The ``store`` label of the latency histogram: the class, and its dialect if any
+    (``SQLStore/postgresql``)."""
+    label = type(store).__name__
+    dialect = getattr(store, "dialect", None)
+    return f"{label}/{dialect}" if dialect else label
 
 
 class _Timed:
@@ -114,6 +122,13 @@ class Observer:
             span = tracing.recording()
             if span is not None:
                 tracing.annotate(span, outcome=outcome.value, route=route)
+
+    def counted(self, route: str, outcome: Outcome) -> None:
+        """:meth:`outcome` without touching the current span: the function guard puts
+        its outcome on a span of its own (:func:`.tracing.function_span`)."""
+        self.counts.observe(route, outcome)
+        if self.sink is not None:
+            self.sink.observe(route, outcome)
 
     def log(
         self, level: int, event: str, route: str, key: str, *, hint: str = "", **fields: Any

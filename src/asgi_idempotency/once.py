@@ -16,6 +16,13 @@ The record's request hash is a fingerprint of the call: SHA-256 of the canonical
 of the function's qualified name and its bound arguments, defaults applied. The result
 is the record's body (``StoredResponse(200, (), body)``), encoded by the codec.
 
+Each call is observed as the middleware observes a request: one outcome (executed,
+replayed, in_progress, mismatch, store_unavailable, released) counted under the
+namespace in place of a route template, in the :class:`Once`'s own counts and the
+metrics sink it was given (the one the middleware uses, say); take-overs and store
+latency as well. With a tracer provider set, a span of its own per call carries the
+outcome (:mod:`.tracing`), with a child span per store operation.
+
 Synchronous functions run in the calling thread; their store calls run on an event
 loop of the :class:`Once`'s own, in a thread of its own, because a store serves one
 event loop at a time (:mod:`.stores.loops`): ``asyncio.run`` per call from several
@@ -38,12 +45,13 @@ from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast
 
 import orjson
 
-from . import lifecycle
+from . import lifecycle, tracing
 from .canonical import canonical_json
 from .errors import InProgress, KeyReused, StoreError
 from .lease import LeaseRenewals, Renewal
 from .lifecycle import ClaimOutcome
-from .observer import Observer
+from .metrics import MetricsSink, MetricsSnapshot, Outcome
+from .observer import Observer, store_label
 from .policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
 from .stores.base import NewClaim, Store, StoredResponse, utcnow
 
@@ -116,6 +124,7 @@ class _Call(NamedTuple):
     fingerprint: str
     namespace: str  # logged as the route: the programmer's name, not the caller's data
     wait: timedelta | None
+    function: str  # the qualified name, for traces (code.function.name)
 
 
 class _Owned(NamedTuple):
@@ -179,10 +188,16 @@ class Once:
             values). Every call returns the result after a trip through the codec,
             the first included, so a result it does not round-trip shows at once.
         clock: the current aware UTC time (tests).
+        metrics: a :class:`~.metrics.MetricsSink` (e.g. the middleware's
+            ``PrometheusMetrics``) that receives one ``observe(namespace, outcome)`` per
+            call, and store latencies and take-overs if it takes them. The namespace
+            stands where a request's route template would (``route`` label); a namespace
+            never starts with ``/`` and a template always does, so the two stay apart.
+            Counted in process whatever it is: :meth:`snapshot`.
 
     Raises:
         TypeError, ValueError: as :class:`.Policy` for ``ttl``/``lease``/``wait``; an
-            empty namespace.
+            empty namespace, or one starting with ``/``.
     """
 
     def __init__(
@@ -196,6 +211,7 @@ class Once:
         retry_after: float = 1.0,
         codec: Codec | None = None,
         clock: Callable[[], datetime] = utcnow,
+        metrics: MetricsSink | None = None,
     ) -> None:
         policy = Policy(ttl=ttl, lease=lease)  # the same rules, and the same lease default
         self.store = store
@@ -205,7 +221,7 @@ class Once:
         self.retry_after = retry_after
         self.codec: Codec = _ORJSON() if codec is None else codec
         self.clock = clock
-        self._observer = Observer(None)
+        self._observer = Observer(metrics, store_label(store))
         self._renewals = LeaseRenewals(store, clock=clock, observer=self._observer)
         self._background: set[asyncio.Task[Any]] = set()
         self._thread: _LoopThread | None = None
@@ -239,6 +255,7 @@ class Once:
                     fingerprint(name, signature, args, kwargs, excluded),
                     space,
                     wait_,
+                    name,
                 )
 
             if inspect.iscoroutinefunction(fn):
@@ -280,6 +297,10 @@ class Once:
         call = self._prepare(key, fn, args, kwargs)
         return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
 
+    def snapshot(self) -> MetricsSnapshot:
+        """This guard's outcome counts so far, by namespace (in the route's place) and outcome."""
+        return self._observer.counts.snapshot()
+
     def close(self) -> None:
         """Stop the event loop of synchronous calls, if one was started (idempotent).
 
@@ -299,56 +320,106 @@ class Once:
         name = _qualname(fn)
         space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
         digest = fingerprint(name, inspect.signature(fn), args, kwargs)
-        return _Call(record_key(space, _key_of(key)), digest, space, self.wait)
+        return _Call(record_key(space, _key_of(key)), digest, space, self.wait, name)
 
     async def _run(self, call: _Call, fn: Callable[[], Awaitable[Any]]) -> Any:
-        got = await self._on_store_loop(self._claim(call))
-        if isinstance(got, bytes):
-            return self.codec.loads(got)
-        try:
-            result = await fn()
-        except Exception:
-            await self._on_store_loop(self._release(call, got))
-            raise
-        except BaseException:
-            # Cancelled (or interrupted) part-way: the effect may or may not have
-            # happened. As the HTTP side does, the claim stays until its lease ends
-            # rather than inviting a rerun now; then a later call takes it over.
-            self._on_loop_of_store(self._abandon, call, got)
-            raise
-        return await self._on_store_loop(self._finish(call, got, result))
+        with tracing.function_span(call.namespace, call.function) as opened:
+            span = self._recording(call, opened)
+            try:
+                got = await self._on_store_loop(self._claim(call, span))
+            except Exception as exc:
+                self._refused(call, span, exc)
+                raise
+            if isinstance(got, bytes):
+                self._outcome(call, span, Outcome.REPLAYED)
+                return self.codec.loads(got)
+            try:
+                result = await fn()
+            except Exception:
+                self._outcome(call, span, Outcome.RELEASED)
+                await self._on_store_loop(self._release(call, got, span))
+                raise
+            except BaseException:
+                # Cancelled (or interrupted) part-way: the effect may or may not have
+                # happened. As the HTTP side does, the claim stays until its lease ends
+                # rather than inviting a rerun now; then a later call takes it over.
+                self._on_loop_of_store(self._abandon, call, got)
+                raise
+            return await self._on_store_loop(self._finish(call, got, result, span))
 
     def _run_sync(self, call: _Call, fn: Callable[[], Any]) -> Any:
         thread = self._loop_thread()
-        got = thread.submit(self._claim(call))
-        if isinstance(got, bytes):
-            return self.codec.loads(got)
-        try:
-            result = fn()
-        except Exception:
-            thread.submit(self._release(call, got))
-            raise
-        except BaseException:
-            thread.loop.call_soon_threadsafe(self._abandon, call, got)
-            raise
-        return thread.submit(self._finish(call, got, result))
+        with tracing.function_span(call.namespace, call.function) as opened:
+            span = self._recording(call, opened)
+            try:
+                got = thread.submit(self._claim(call, span))
+            except Exception as exc:
+                self._refused(call, span, exc)
+                raise
+            if isinstance(got, bytes):
+                self._outcome(call, span, Outcome.REPLAYED)
+                return self.codec.loads(got)
+            try:
+                result = fn()
+            except Exception:
+                self._outcome(call, span, Outcome.RELEASED)
+                thread.submit(self._release(call, got, span))
+                raise
+            except BaseException:
+                thread.loop.call_soon_threadsafe(self._abandon, call, got)
+                raise
+            return thread.submit(self._finish(call, got, result, span))
 
-    async def _claim(self, call: _Call) -> bytes | _Owned:
+    # -- what operators see: counts, and the call's own span ------------------------
+
+    @staticmethod
+    def _recording(call: _Call, span: Any) -> Any:
+        """The call's span if it records (its key digest set), else ``None``."""
+        if span is None or not span.is_recording():
+            return None
+        tracing.annotate(span, key_digest=call.key[:16])
+        return span
+
+    def _outcome(self, call: _Call, span: Any, outcome: Outcome) -> None:
+        self._observer.counted(call.namespace, outcome)
+        if span is not None:
+            tracing.annotate(span, outcome=outcome.value)
+
+    def _refused(self, call: _Call, span: Any, exc: Exception) -> None:
+        """Count the guard's own answer to a call it did not run (raised to the caller)."""
+        if isinstance(exc, KeyReused):
+            self._outcome(call, span, Outcome.MISMATCH)
+        elif isinstance(exc, InProgress):
+            self._outcome(call, span, Outcome.IN_PROGRESS)
+        elif isinstance(exc, StoreError):
+            self._outcome(call, span, Outcome.STORE_UNAVAILABLE)
+
+    async def _store(self, operation: str, span: Any, coro: Awaitable[T]) -> T:
+        """Await one store operation, timed and traced as a child of ``span`` if either is on."""
+        if span is None and not self._observer.timing:
+            return await coro
+        with self._observer.store_call(operation, span):
+            return await coro
+
+    async def _claim(self, call: _Call, span: Any = None) -> bytes | _Owned:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
         loop = asyncio.get_running_loop()
         deadline = None if call.wait is None else loop.time() + call.wait.total_seconds()
         while True:
             now = self.clock()
             token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
-            claim = await lifecycle.claim(
+            claim = await self._store("claim", span, lifecycle.claim(
                 self.store, call.key, call.fingerprint, token,
                 now=now, locked_until=now + self.lease, expires_at=now + self.ttl,
                 orphaned=functools.partial(self._orphaned, call),
-            )  # fmt: skip
+            ))  # fmt: skip
             outcome = claim.outcome
             if claim.owned:
                 if outcome is ClaimOutcome.TAKEN_OVER:
                     self._log(logging.WARNING, "idempotency.takeover", call, outcome="taken_over")
+                    self._observer.takeover(call.namespace)
+                    if span is not None:
+                        tracing.annotate(span, taken_over=True)
                 renewal = self._renewals.start(
                     call.key, token, self.lease, self._renew_every, call.namespace
                 )
@@ -374,7 +445,7 @@ class Once:
                 )
             await asyncio.sleep(max(0.0, min(wait, left)))
 
-    async def _finish(self, call: _Call, owned: _Owned, result: Any) -> Any:
+    async def _finish(self, call: _Call, owned: _Owned, result: Any, span: Any = None) -> Any:
         """Complete the key with ``result``; return it as a replay would (via the codec)."""
         owned.renewal.stop(owned.token)
         try:
@@ -382,14 +453,20 @@ class Once:
         except Exception:
             # Nothing can be stored: released as if the function had raised, so the
             # error shows on the first call, not as a broken replay later.
-            await self._release(call, owned)
+            self._outcome(call, span, Outcome.RELEASED)
+            await self._release(call, owned, span)
             raise
         stored = StoredResponse(200, (), body)
         expires_at = self.clock() + self.ttl
+        # The function ran: executed, whether or not the store keeps its result (as the
+        # middleware counts a request whose completion failed).
+        self._outcome(call, span, Outcome.EXECUTED)
         try:
             done = await self._shielded(
                 call, "complete",
-                self.store.complete(call.key, owned.token, stored, expires_at=expires_at),
+                self._store("complete", span, self.store.complete(
+                    call.key, owned.token, stored, expires_at=expires_at
+                )),
             )  # fmt: skip
         except StoreError as exc:
             # The function ran: its result is the caller's even though it is not stored.
@@ -400,10 +477,14 @@ class Once:
                 self._log(logging.ERROR, "idempotency.claim_lost", call, phase="complete")
         return self.codec.loads(body)
 
-    async def _release(self, call: _Call, owned: _Owned) -> None:
+    async def _release(self, call: _Call, owned: _Owned, span: Any = None) -> None:
         owned.renewal.stop(owned.token)
         try:
-            await self._shielded(call, "release", self.store.release(call.key, owned.token))
+            await self._shielded(
+                call,
+                "release",
+                self._store("release", span, self.store.release(call.key, owned.token)),
+            )
         except StoreError as exc:
             # The function's own error is the one raised; the claim lapses after a lease.
             self._observer.store_error(call.namespace, call.key, "release", exc)
@@ -485,6 +566,10 @@ def _key_of(key: object) -> str:
 def _namespace(namespace: object) -> str:
     if not isinstance(namespace, str) or not namespace:
         raise ValueError("namespace must be a non-empty str")
+    if namespace.startswith("/"):
+        # Metrics and logs count a function's calls under its namespace where a request
+        # is counted under its route template, which always starts with "/".
+        raise ValueError(f"namespace must not start with '/' (route templates do): {namespace!r}")
     return namespace
 
 

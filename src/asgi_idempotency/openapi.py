@@ -5,9 +5,10 @@
 guarded operation then shows what a client must know:
 
 - the ``Idempotency-Key`` header parameter, required where the policy requires it;
-- 400, 409, 413, 422 and 503 answered as ``application/problem+json`` with the
+- 400, 409, 410, 413, 422 and 503 answered as ``application/problem+json`` with the
   shared ``IdempotencyProblem`` schema and an example naming our stable problem type
-  (``urn:asgi-idempotency:problem:...``);
+  (``urn:asgi-idempotency:problem:...``); 401 too where the guard itself refuses a
+  request that names no caller (a ``principal`` that can answer ``None``);
 - ``Retry-After`` on 409 and 503, ``Idempotent-Replayed`` on the success responses.
 
 Whether an operation is guarded is answered by ``guard_of(method, template)``;
@@ -38,11 +39,14 @@ from .errors import (
     InvalidSignature,
     KeyMismatch,
     MissingKey,
+    PrincipalMissing,
     RequestInProgress,
+    ResponseNotKept,
     StoreUnavailable,
 )
 from .keys import MAX_KEY_LENGTH
 from .policy import Policy, ResolvedRoute, expand_routes
+from .principals import ANONYMOUS, AUTO, DependencyPrincipal
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -76,6 +80,11 @@ class GuardOf(Protocol):
     ``method`` is upper case (``"POST"``); the template is the one the policy lookup
     uses, include and mount prefixes in, root path out (``"/v1/orders/{order_id}"``).
     ``None``, or a policy with ``enabled=False``, means the operation is not guarded.
+
+    An implementation may also have a true ``answers_unauthenticated`` attribute: the
+    guard answers 401 itself to a request that names no caller, so guarded operations
+    document it. The middleware's own (:func:`guard_of_for`) has it where its
+    ``principal`` can answer ``None``; a plain function has not, and documents no 401.
     """
 
     def __call__(self, method: str, template: str, /) -> Policy | None: ...
@@ -138,6 +147,7 @@ def apply_to_schema(schema: dict[str, Any], guard_of: GuardOf) -> dict[str, Any]
         Whatever ``guard_of`` raises.
     """
     paths: Mapping[str, Any] = schema.get("paths") or {}
+    unauthenticated = bool(getattr(guard_of, "answers_unauthenticated", False))
     guarded = False
     for template, item in paths.items():
         if not isinstance(item, dict):
@@ -148,7 +158,7 @@ def apply_to_schema(schema: dict[str, Any], guard_of: GuardOf) -> dict[str, Any]
             policy = guard_of(method.upper(), template)
             if policy is None or not policy.enabled or not isinstance(operation, dict):
                 continue
-            _document(schema, item, operation, policy)
+            _document(schema, item, operation, policy, unauthenticated)
             guarded = True
     if guarded:
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -170,18 +180,35 @@ def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
     Raises:
         Nothing: an app without a router has no routes, so nothing is guarded.
     """
-    index = _RouteIndex(app)
+    return _MiddlewareGuardOf(middleware, _RouteIndex(app))
 
-    def guard_of(method: str, template: str, /) -> Policy | None:
+
+class _MiddlewareGuardOf:
+    """:func:`guard_of_for`'s answer: a :class:`GuardOf` that knows the middleware's caller."""
+
+    __slots__ = ("index", "middleware")
+
+    def __init__(self, middleware: IdempotencyMiddleware, index: _RouteIndex) -> None:
+        self.middleware, self.index = middleware, index
+
+    def __call__(self, method: str, template: str, /) -> Policy | None:
         if method in _SAFE_METHODS:
             return None
-        resolved = index.find(method, template)
+        resolved = self.index.find(method, template)
         if resolved is None:
             # The router would answer 404 or 405: no handler runs, as in _decide.
             return None
-        return middleware.guard_for(method, resolved, template)
+        return self.middleware.guard_for(method, resolved, template)
 
-    return guard_of
+    @property
+    def answers_unauthenticated(self) -> bool:
+        """Whether the guard answers 401 (``PrincipalMissing``) to a request naming no
+        caller: a ``principal`` that may return ``None`` (``from_user``, ``from_session``,
+        ``from_headers``, a callable of the app's). Not ``ANONYMOUS``, never ``None``;
+        not the default, which refuses with 500 where it cannot tell callers apart;
+        not ``from_dependency``, where the app's own auth dependency answers the 401."""
+        who = self.middleware.principal
+        return who is not ANONYMOUS and who is not AUTO and not isinstance(who, DependencyPrincipal)
 
 
 class _RouteIndex:
@@ -248,7 +275,11 @@ def _problem_schema() -> dict[str, Any]:
 
 
 def _document(
-    schema: dict[str, Any], item: dict[str, Any], operation: dict[str, Any], policy: Policy
+    schema: dict[str, Any],
+    item: dict[str, Any],
+    operation: dict[str, Any],
+    policy: Policy,
+    unauthenticated: bool,
 ) -> None:
     # A webhook route (key_from) takes its key from the sender's delivery, not this header.
     if policy.key_from is None and not _declares_key(schema, item, operation):
@@ -257,7 +288,7 @@ def _document(
     for status, response in responses.items():
         if str(status).startswith("2") and "$ref" not in response:  # "200", "201", "2XX"
             _add_header(response, "Idempotent-Replayed", _REPLAYED_HEADER)
-    for status, description, errors, retry in _answers(policy):
+    for status, description, errors, retry in _answers(policy, unauthenticated):
         response = responses.setdefault(status, {"description": description})
         if "$ref" in response:
             continue  # the app's shared response (components.responses): its own to describe
@@ -340,9 +371,20 @@ _RETRY_AFTER_HEADER = {
 
 
 def _answers(
-    policy: Policy,
+    policy: Policy, unauthenticated: bool = False
 ) -> list[tuple[str, str, list[IdempotencyError], bool]]:
     """(status, description, the errors answered with it, whether Retry-After is sent)."""
+    # A webhook's caller is its sender, known from the policy: never a 401 of ours.
+    caller: list[tuple[str, str, list[IdempotencyError], bool]] = []
+    if unauthenticated and policy.key_from is None:
+        caller.append(
+            (
+                "401",
+                "The request names no caller; nothing ran",
+                [PrincipalMissing("Authenticate and retry with the same Idempotency-Key.")],
+                False,
+            )
+        )
     if policy.key_from is not None:  # a webhook: the key is the sender's delivery id
         bad_key: list[IdempotencyError] = [
             InvalidSignature("The sender's signature on this delivery does not match."),
@@ -356,11 +398,20 @@ def _answers(
         bad = "Idempotency-Key missing or invalid"
     return [
         ("400", bad, bad_key, False),
+        *caller,
         (
             "409",
             "A request with this Idempotency-Key is still in progress",
             [RequestInProgress("Retry after the Retry-After interval to get its response.")],
             True,
+        ),
+        (
+            # A replay of a request whose streamed response was too large to keep: it
+            # ran once, and a retry is told so instead of running it again.
+            "410",
+            "This Idempotency-Key's request ran; its response was too large to keep",
+            [ResponseNotKept("The request ran once; its streamed response was not kept.")],
+            False,
         ),
         (
             "413",

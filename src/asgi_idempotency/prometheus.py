@@ -138,7 +138,8 @@ class PrometheusMetrics:
         self.store_seconds = _histogram(
             self.registry,
             f"{prefix}_store_seconds",
-            "Time one store operation took, by operation (claim, complete, release) and store.",
+            "Time one store operation took, by operation (claim, complete, release, mark) "
+            "and store.",
             ("operation", "store"),
         )
         self.takeovers = _counter(
@@ -155,7 +156,7 @@ class PrometheusMetrics:
         self.requests.labels(route=route, outcome=outcome.value).inc()
 
     def observe_store(self, operation: str, store: str, seconds: float) -> None:
-        """How long one store operation took (claim, complete, release)."""
+        """How long one store operation took (claim, complete, release, mark)."""
         self.store_seconds.labels(operation=operation, store=store).observe(seconds)
 
     def observe_takeover(self, route: str) -> None:

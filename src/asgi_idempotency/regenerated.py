@@ -10,41 +10,103 @@ It is a suspicion, not a verdict: a caller that really means to do the same thin
 within the window looks the same. The window should be about a client's retry budget
 (seconds), not a business interval.
 
-Cost: in process, no store access. One dict entry (two digests and a time) per guarded
-request within the window, at most ``maxsize`` entries; a retry that reaches another
-worker process is not seen, so the count is a lower bound.
+Where it looks: in the store every worker shares, so a retry that reaches another
+process or host is seen. Each request the guard runs writes a short-lived *marker* row
+through the store's own atomic ``insert`` (no schema change, every store):
+
+- its key is a digest of ("regenerated", host, principal, fingerprint), built so that
+  it can never equal a request's or a function's record key;
+- its ``request_hash`` holds the request's scoped key (a digest: never the raw key);
+- its lease and retention both end ``window`` from now, so ``prune`` deletes it.
+
+``insert`` answers in the one round trip: nothing there (the first sighting), a live
+marker naming the same scoped key (a retry of one key: nothing to say), a live marker
+naming another (the same caller sent the same request under another key: flagged),
+or a marker past its window (replaced by compare-and-swap, so the window restarts).
+The window runs from the first sighting, not the last.
+
+Cost: one insert per request the handler runs for (a replay, 409 or 422 writes
+nothing); a second statement only when an old marker is replaced. Nothing when off.
+A failed marker write never fails the request: it is logged, and the request runs.
+
+Marker rows are in-progress rows to the store: ``asgi-idempotency stats`` counts them
+among live in-progress rows for the length of the window (about the guarded request
+rate times the window), then among expired rows until pruned. They never answer a
+request (no request's key can equal theirs), and a log line's ``key_digest`` names a
+request's record, never a marker, so ``inspect`` finds the record.
+
+In transactional mode the marker is written in the request's transaction: it commits
+with the record, and a request rolled back leaves none.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from datetime import timedelta
+import hashlib
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
-__all__ = ["RegeneratedKeys"]
+from .stores.base import BUSY, NewClaim
+
+if TYPE_CHECKING:
+    from .lifecycle import Claimant
+
+__all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
+
+# The token of every marker row: markers are never completed, renewed or released, so
+# no claim's fencing token is needed; a fixed one names them for a reader of the table.
+MARKER_TOKEN = "regenerated-key-marker"
+
+
+def marker_key(host: str, principal: str, fingerprint: str) -> str:
+    """The marker's record key: SHA-256 of (host, principal, fingerprint), length-prefixed.
+
+    Its material starts with ``r``, where a request's scoped key starts with a digit or
+    ``h`` and a function's with ``o`` (:func:`.keys.scoped_key`, :func:`.once.record_key`),
+    so a marker can never sit on a record's key, whatever the inputs.
+    """
+    material = f"r{len(host)}:{host}\x00{len(principal)}:{principal}\x00{fingerprint}"
+    return hashlib.sha256(material.encode()).hexdigest()
 
 
 class RegeneratedKeys:
-    """Remembers each (caller, request) briefly; reports a second key for the same pair."""
+    """Looks up, in the shared store, whether this caller sent this request under another key."""
 
-    __slots__ = ("_seen", "maxsize", "window")
+    __slots__ = ("window",)
 
-    def __init__(self, window: timedelta, *, maxsize: int = 100_000) -> None:
+    def __init__(self, window: timedelta) -> None:
         if not isinstance(window, timedelta) or window <= timedelta(0):
             raise ValueError(f"the regenerated-key window must be a positive timedelta: {window!r}")
-        self.window = window.total_seconds()
-        self.maxsize = maxsize
-        # (caller, fingerprint) -> (scoped key, monotonic time), oldest first
-        self._seen: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.window = window
 
-    def check(self, caller: str, fingerprint: str, key: str) -> str | None:
-        """The other scoped key this caller sent this request under within the window, if any."""
-        now = time.monotonic()
-        entry = (caller, fingerprint)
-        seen = self._seen.pop(entry, None)
-        self._seen[entry] = (key, now)
-        while len(self._seen) > self.maxsize:
-            self._seen.popitem(last=False)
-        if seen is not None and seen[0] != key and now - seen[1] <= self.window:
-            return seen[0]
-        return None
+    async def check(
+        self,
+        store: Claimant,
+        *,
+        host: str,
+        principal: str,
+        fingerprint: str,
+        key: str,
+        now: datetime,
+    ) -> str | None:
+        """The other scoped key this caller sent this request under within the window, if any.
+
+        One ``insert`` on ``store``; a ``replace`` too when the marker found is past its
+        window. ``key`` is the request's scoped key (a digest).
+
+        Raises:
+            StoreError: the store failed (the caller logs it and goes on).
+        """
+        until = now + self.window
+        marker = NewClaim(marker_key(host, principal, fingerprint), key, MARKER_TOKEN, now,
+                          until, until)  # fmt: skip
+        found = await store.insert(marker)
+        if found is None or found is BUSY:
+            # The first sighting; or, in a transaction, another one holds the marker's
+            # lock right now (a concurrent twin: missed, the count is a lower bound).
+            return None
+        if found.locked_until <= now or found.expires_at <= now:
+            # A sighting from before the window: this one starts a new window. Losing the
+            # swap to a concurrent request means that one restarted it: nothing to add.
+            await store.replace(found, marker)
+            return None
+        return found.request_hash if found.request_hash != key else None

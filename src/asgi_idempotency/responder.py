@@ -357,10 +357,6 @@ class Responder:
         )
         if span is not None:
             tracing.annotate(span, key_digest=req.key[:16], mode=policy.mode)
-        if rt.regenerated is not None:
-            other = rt.regenerated.check(f"{req.host}\x00{req.principal}", req.fingerprint, req.key)
-            if other is not None:
-                rt.observer.regenerated_key(req.route, req.key, other)
         claiming = lifecycle.claim(
             claimant,
             req.key,
@@ -389,6 +385,8 @@ class Responder:
             self.state = _State.ANSWERED
             await self._answer_existing(claim, now)
             return False
+        if rt.regenerated is not None:
+            await self._check_regenerated(claimant, now)
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
             if span is not None:
@@ -402,6 +400,27 @@ class Responder:
         else:
             self.scope.setdefault("state", {})["idempotency"] = self.tx.state
         return True
+
+    async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
+        """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
+        before the handler runs. Its failure is logged and the request goes on: a
+        detector must never turn a request the guard would run into an error."""
+        rt, req = self.rt, self.req
+        assert rt.regenerated is not None
+        assert req.principal is not None  # claimed: the caller is known
+        checking = rt.regenerated.check(
+            claimant, host=req.host, principal=req.principal, fingerprint=req.fingerprint,
+            key=req.key, now=now,
+        )  # fmt: skip
+        try:
+            with rt.observer.store_call("mark", self.span):
+                other = await checking
+        except StoreError as exc:
+            self._log(logging.WARNING, "idempotency.regenerated_check_failed",
+                      error=type(exc).__name__)  # fmt: skip
+            return
+        if other is not None:
+            rt.observer.regenerated_key(req.route, req.key, other)
 
     def _stop_renewal(self) -> None:
         if self.renewal is not None:

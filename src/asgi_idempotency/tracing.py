@@ -11,7 +11,16 @@ Attributes (on the current span, the server span of a traced request):
 :class:`~.metrics.Outcome`), ``idempotency.key_digest`` (the first 16 hex digits of
 the scoped key, as the logs print it; never the key), ``idempotency.taken_over``,
 ``idempotency.mode``, and ``http.route`` (the route template). Store spans are named
-``idempotency <operation>`` (claim, complete, release) with ``db.operation.name``.
+``idempotency <operation>`` (claim, complete, release, and mark for the regenerated-key
+detector) with ``db.operation.name``.
+
+The function guard (:class:`~.once.Once`) opens a span of its own per guarded call,
+``once <namespace>`` (INTERNAL), and puts the same attributes on it, with
+``idempotency.namespace`` and ``code.function.name`` in place of ``http.route``. Not
+the current span: a guarded function runs inside someone else's span (a consumer's, or
+an HTTP handler's server span, which already carries the middleware's own
+``idempotency.*`` decision), and two guarded calls in one span would overwrite each
+other's. Its store spans are its children.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ try:
 except ImportError:  # the otel extra is optional
     trace = None  # type: ignore[assignment]
 
-__all__ = ["ENABLED", "annotate", "live", "recording", "store_span", "trace"]
+__all__ = ["ENABLED", "annotate", "function_span", "live", "recording", "store_span", "trace"]
 
 ENABLED = trace is not None
 # The API loads a provider named by this variable on first use: load it now, so that
@@ -38,6 +47,8 @@ def live() -> bool:
     """Whether a tracer provider is set (else nothing can record). The request path
     inlines this test: ``tracing.trace is not None and tracing.trace._TRACER_PROVIDER``."""
     return trace is not None and trace._TRACER_PROVIDER is not None
+
+
 _NOTHING: AbstractContextManager[Any] = nullcontext()
 _tracer: Any = None
 
@@ -68,21 +79,48 @@ def annotate(span: Any = None, /, **attributes: str | bool) -> None:
         span.set_attribute("http.route" if name == "route" else f"idempotency.{name}", value)
 
 
-def store_span(operation: str, parent: Any = None) -> AbstractContextManager[Any]:
-    """A child span around one store operation, or a context that does nothing.
-
-    ``parent`` is the request's recording span (:func:`recording`); ``None`` means none
-    records, and nothing is looked up."""
+def _get_tracer() -> Any:
     global _tracer
-    if parent is None:
-        return _NOTHING
-    assert trace is not None
     if _tracer is None:
         from importlib.metadata import version
 
+        assert trace is not None
         _tracer = trace.get_tracer("asgi_idempotency", version("asgi-idempotency"))
-    return _tracer.start_as_current_span(  # type: ignore[no-any-return]
+    return _tracer
+
+
+def store_span(operation: str, parent: Any = None) -> AbstractContextManager[Any]:
+    """A child span of ``parent`` around one store operation, or a context that does nothing.
+
+    ``parent`` is the recording span the operation belongs to (the request's, from
+    :func:`recording`, or a guarded call's, from :func:`function_span`); ``None`` means
+    none records, and nothing is looked up. The parent is explicit, not the current
+    context: the function guard runs store calls on an event loop of its own, in
+    another thread, where the caller's context is not current."""
+    if parent is None:
+        return _NOTHING
+    assert trace is not None
+    return _get_tracer().start_as_current_span(  # type: ignore[no-any-return]
         f"idempotency {operation}",
+        context=trace.set_span_in_context(parent),
         kind=trace.SpanKind.CLIENT,
         attributes={"db.operation.name": operation},
+    )
+
+
+def function_span(namespace: str, function: str) -> AbstractContextManager[Any]:
+    """A span of its own around one call of a guarded function, child of the current
+    span if there is one; a context that does nothing (entering it gives ``None``) when
+    no tracer provider is set.
+
+    Entering it gives the span, which may not record (sampled out): check
+    ``is_recording()`` before building attributes. Exceptions leaving it are recorded
+    and set its status to ERROR, as for any span the API opens.
+    """
+    if trace is None or trace._TRACER_PROVIDER is None:
+        return _NOTHING
+    return _get_tracer().start_as_current_span(  # type: ignore[no-any-return]
+        f"once {namespace}",
+        kind=trace.SpanKind.INTERNAL,
+        attributes={"idempotency.namespace": namespace, "code.function.name": function},
     )
