@@ -57,11 +57,15 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
 
 
 def exported() -> tuple[set[str], set[str]]:
-    """Sample names and label names of a PrometheusMetrics that has seen every outcome."""
+    """Sample names and label names of a PrometheusMetrics that has seen every outcome,
+    a timed store operation, a take-over and a suspected regenerated key."""
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry)
     for outcome in Outcome:
         metrics.observe("/orders/{order_id}", outcome)
+    metrics.observe_store("claim", "SQLStore", 0.002)
+    metrics.observe_takeover("/orders/{order_id}")
+    metrics.observe_regenerated_key("/orders/{order_id}")
     names: set[str] = set()
     labels: set[str] = set()
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
