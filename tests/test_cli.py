@@ -88,25 +88,31 @@ def db(seeded: Seeded) -> str:
     return seeded.url
 
 
-@pytest.fixture
-def empty_pg(pg_url: str) -> Iterator[str]:
-    """A new, empty Postgres database (no schema), dropped afterwards."""
-    name = f"idem_cli_{uuid.uuid4().hex[:10]}"
-    admin_url = pg_url.rsplit("/", 1)[0] + "/postgres"
+def pg_admin(pg_url: str, statement: str) -> None:
+    """Run one statement on the server's ``postgres`` database, outside a transaction."""
 
-    async def admin(statement: str) -> None:
-        engine = create_async_engine(admin_url, isolation_level="AUTOCOMMIT")
+    async def go() -> None:
+        engine = create_async_engine(
+            pg_url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+        )
         try:
             async with engine.connect() as conn:
                 await conn.execute(text(statement))
         finally:
             await engine.dispose()
 
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(go())
+
+
+@pytest.fixture
+def empty_pg(pg_url: str) -> Iterator[str]:
+    """A new, empty Postgres database (no schema), dropped afterwards."""
+    name = f"idem_cli_{uuid.uuid4().hex[:10]}"
+    pg_admin(pg_url, f'CREATE DATABASE "{name}"')
     try:
         yield pg_url.rsplit("/", 1)[0] + "/" + name
     finally:
-        asyncio.run(admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        pg_admin(pg_url, f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -511,22 +517,12 @@ def test_demo_as_a_user_who_may_not_create_databases_says_so(
 ) -> None:
     # Decided by the error's type (Postgres's insufficient_privilege), not its words.
     role = f"idem_nocreate_{uuid.uuid4().hex[:8]}"
-    admin_url = pg_url.rsplit("/", 1)[0] + "/postgres"
-
-    async def admin(statement: str) -> None:
-        engine = create_async_engine(admin_url, isolation_level="AUTOCOMMIT")
-        try:
-            async with engine.connect() as conn:
-                await conn.execute(text(statement))
-        finally:
-            await engine.dispose()
-
-    asyncio.run(admin(f'CREATE ROLE "{role}" LOGIN NOCREATEDB'))
+    pg_admin(pg_url, f'CREATE ROLE "{role}" LOGIN NOCREATEDB')
     try:
-        url = normalize_url(admin_url).replace("//postgres@", f"//{role}@", 1)
+        url = normalize_url(pg_url).replace("//postgres@", f"//{role}@", 1)
         assert role in url
         code, _, err = run(capsys, "demo", "--database-url", url)
         assert code == Exit.UNREACHABLE
         assert "this user may not create databases (grant CREATEDB" in err
     finally:
-        asyncio.run(admin(f'DROP ROLE "{role}"'))
+        pg_admin(pg_url, f'DROP ROLE "{role}"')

@@ -30,7 +30,7 @@ from tests.conftest import emptied
 pytestmark = pytest.mark.anyio
 
 
-def _app(**guard: Any) -> Starlette:
+def _app(store: Store | None = None, **guard: Any) -> Starlette:
     async def refund(request: Request) -> Response:
         return JSONResponse({"ok": True}, status_code=201)
 
@@ -39,7 +39,7 @@ def _app(**guard: Any) -> Starlette:
         middleware=[
             Middleware(
                 IdempotencyMiddleware,
-                store=MemoryStore(),
+                store=MemoryStore() if store is None else store,
                 principal=from_headers("X-User-Id"),
                 **guard,
             )
@@ -127,22 +127,11 @@ class Clock:
 
 def _worker(store: Store, clock: Clock, registry: CollectorRegistry) -> Starlette:
     """One worker's app: its own middleware, and its own store object on the shared database."""
-
-    async def refund(request: Request) -> Response:
-        return JSONResponse({"ok": True}, status_code=201)
-
-    return Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=from_headers("X-User-Id"),
-                detect_regenerated_keys=timedelta(seconds=60),
-                metrics=PrometheusMetrics(registry),  # both workers count into one registry
-                clock=clock,
-            )
-        ],
+    return _app(
+        store,
+        detect_regenerated_keys=timedelta(seconds=60),
+        metrics=PrometheusMetrics(registry),  # both workers count into one registry
+        clock=clock,
     )
 
 
