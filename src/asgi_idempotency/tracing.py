@@ -76,7 +76,12 @@ def annotate(span: Any = None, /, **attributes: str | bool) -> None:
         if span is None:
             return
     for name, value in attributes.items():
-        span.set_attribute("http.route" if name == "route" else f"idempotency.{name}", value)
+        span.set_attribute(_attribute(name), value)
+
+
+def _attribute(name: str) -> str:
+    """The span attribute for one of ours: a semantic-convention name where one exists."""
+    return "http.route" if name == "route" else f"idempotency.{name}"
 
 
 def _get_tracer() -> Any:
@@ -122,5 +127,5 @@ def function_span(namespace: str, function: str) -> AbstractContextManager[Any]:
     return _get_tracer().start_as_current_span(  # type: ignore[no-any-return]
         f"once {namespace}",
         kind=trace.SpanKind.INTERNAL,
-        attributes={"idempotency.namespace": namespace, "code.function.name": function},
+        attributes={_attribute("namespace"): namespace, "code.function.name": function},
     )

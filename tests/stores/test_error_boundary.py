@@ -3,7 +3,7 @@ SchemaMissing, and what is not the driver's (a bug of ours) passes through uncha
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 
 import pytest
@@ -20,7 +20,17 @@ SQL_KINDS = [
 ]
 pytestmark = pytest.mark.anyio
 
-URL_FIXTURE = {"sqlite": "sqlite_url", "postgres": "pg_url", "mariadb": "mariadb_url"}
+# The table is dropped: never the run's shared database, which every other test uses.
+SERVER_FIXTURE = {"postgres": "pg_server", "mariadb": "mariadb_server"}
+
+
+@pytest.fixture
+def own_url(kind: str, request: pytest.FixtureRequest, sqlite_url: str) -> Iterator[str]:
+    if kind == "sqlite":
+        yield sqlite_url  # a file of this test's own
+        return
+    with request.getfixturevalue(SERVER_FIXTURE[kind]).database("idem_boundary") as url:
+        yield url
 
 
 def test_a_store_error_is_infrastructure_not_an_http_answer() -> None:
@@ -47,10 +57,8 @@ def test_a_value_error_is_a_driver_failure_on_sqlite_only() -> None:
 
 
 @pytest.mark.parametrize("kind", SQL_KINDS)
-async def test_a_missing_table_is_schema_missing_on_every_operation(
-    kind: str, request: pytest.FixtureRequest
-) -> None:
-    store = SQLStore(request.getfixturevalue(URL_FIXTURE[kind]))
+async def test_a_missing_table_is_schema_missing_on_every_operation(kind: str, own_url: str) -> None:
+    store = SQLStore(own_url)
     try:
         await store.create_all()
         async with store.engine.begin() as conn:
