@@ -57,7 +57,9 @@ def test_a_value_error_is_a_driver_failure_on_sqlite_only() -> None:
 
 
 @pytest.mark.parametrize("kind", SQL_KINDS)
-async def test_a_missing_table_is_schema_missing_on_every_operation(kind: str, own_url: str) -> None:
+async def test_a_missing_table_is_schema_missing_on_every_operation(
+    kind: str, own_url: str
+) -> None:
     store = SQLStore(own_url)
     try:
         await store.create_all()
