@@ -45,6 +45,7 @@ import hashlib
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from .lifecycle import RecordState, state_of
 from .stores.base import BUSY, NewClaim
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class RegeneratedKeys:
             # The first sighting; or, in a transaction, another one holds the marker's
             # lock right now (a concurrent twin: missed, the count is a lower bound).
             return None
-        if found.locked_until <= now or found.expires_at <= now:
+        if state_of(found, now) is RecordState.EXPIRED:
             # A sighting from before the window: this one starts a new window. Losing the
             # swap to a concurrent request means that one restarted it: nothing to add.
             await store.replace(found, marker)
