@@ -34,8 +34,10 @@ passed but whose TTL has not behaves as new all the same (the lifecycle reads
 ``expires_at``); :meth:`RedisStore.prune` deletes such records for tools and tests.
 
 Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
-``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` in one place,
-:func:`translate`, so the middleware's 503 fail-closed path applies unchanged.
+``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` at one boundary,
+:data:`REDIS_ERRORS` (the SQL stores' :class:`~.sqlerrors.ErrorBoundary`), so the
+middleware's 503 fail-closed path applies unchanged; anything else (a bug of ours, a
+record we cannot decode) propagates as itself, a logged 500, never passing for an outage.
 
 redis-py's connections belong to the event loop that opened them: on another loop
 the store builds a new client (from its URL) and closes the old one on its own loop
@@ -56,9 +58,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
 from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
-from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
 from .codec import decode_headers, encode_headers
 from .loops import LoopTenure
+from .sqlerrors import ErrorBoundary
 
 try:
     import redis.asyncio as aioredis
@@ -70,7 +73,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by test_public_api in a subprocess
     raise ImportError("RedisStore needs redis-py: pip install 'asgi-idempotency[redis]'") from exc
 
-__all__ = ["DRIVER_ERRORS", "RedisStore", "translate"]
+__all__ = ["DRIVER_ERRORS", "REDIS_ERRORS", "RedisStore", "translate"]
 
 # Everything redis-py and the network raise for a failed command. RedisError covers
 # ConnectionError, TimeoutError and every ResponseError (READONLY, CLUSTERDOWN,
@@ -80,34 +83,44 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     rexc.RedisError,
     rexc.RedisClusterException,
     OSError,
-    TimeoutError,
+    TimeoutError,  # also the store's own deadline (asyncio.timeout, command_timeout)
 )
+
+
+def _left_to_the_driver(exc: BaseException) -> bool:
+    # redis-py drops a connection that failed mid-command itself (on any exception,
+    # cancellation included): the store never has one to discard.
+    return False
+
+
+# The one place where redis-py's failures become StoreError: every call to the driver
+# (the hot path's scripts and pipelines, SCAN, the admin reads) is inside it.
+REDIS_ERRORS = ErrorBoundary(DRIVER_ERRORS, _left_to_the_driver)
 
 
 def translate(exc: BaseException) -> StoreError:
     """The store error for a redis-py exception (raise it ``from exc``)."""
-    return StoreError.wrap(exc)
+    return REDIS_ERRORS.translate(exc)
 
 
 _T = TypeVar("_T")
 
 
 async def _call(op: Awaitable[_T], within: float | None = None) -> _T:
-    """Await a redis-py call, for at most ``within`` seconds; whatever it raises (a timeout
-    included) becomes :class:`StoreError`.
+    """Await a redis-py call, for at most ``within`` seconds; a driver failure (a
+    timeout included) becomes :class:`StoreError` (:data:`REDIS_ERRORS`).
 
-    Not only :data:`DRIVER_ERRORS`: ``op`` is the driver's code alone (no decoding of
-    ours runs inside it), and a driver that fails in an undocumented way (redis-py
-    8.1 raised ``AttributeError`` from a connection handshake under concurrent
-    connects) still could not answer, which is a 503, not a 500.
+    Anything else raised inside ``op`` is not the store being unavailable but a bug (a
+    client of the wrong kind, a reply we misread) and propagates unchanged: a 500 in
+    the log says what it is, where a 503 would send operators after an outage.
     """
+    # try/except with the boundary's tuple rather than ``with REDIS_ERRORS``: the same
+    # mapping, without two Python-level calls on every request's path.
     try:
         async with asyncio.timeout(within):
             return await op
-    except StoreError:
-        raise
-    except Exception as exc:
-        raise translate(exc) from exc
+    except REDIS_ERRORS.errors as exc:
+        raise REDIS_ERRORS.translate(exc) from exc
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -339,6 +352,9 @@ class RedisStore:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
             raise ValueError("RedisStore needs a client with decode_responses=False")
+        # No transactions (a handler's writes cannot join a Lua script); stats and
+        # prune by SCAN over every primary.
+        self.capabilities = Capabilities(transactions=False, batching=False)
         self._prefix = f"{key_prefix}:{{"
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas
@@ -638,13 +654,12 @@ class RedisStore:
             await self._warm()
         names = aiter(self.client.scan_iter(match=match, count=_SCAN_COUNT))
         while True:
-            try:  # as in _call, each step: the iteration is the driver's alone
-                async with asyncio.timeout(self._timeout):
-                    name = await anext(names)
+            try:  # each step within the deadline and the boundary, as in _call
+                with REDIS_ERRORS:
+                    async with asyncio.timeout(self._timeout):
+                        name = await anext(names)
             except StopAsyncIteration:
                 return
-            except Exception as exc:
-                raise translate(exc) from exc
             yield name
 
     async def _batches(self, match: str) -> AsyncIterator[list[bytes]]:
