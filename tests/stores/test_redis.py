@@ -661,8 +661,10 @@ async def test_a_client_of_the_wrong_kind_is_a_bug_not_an_outage(redis_url: str)
     client = redis.Redis.from_url(redis_url)
     store = RedisStore(client)  # type: ignore[arg-type]  # the mistake under test
     try:
-        with pytest.raises(TypeError):
+        # Through the pipeline's batcher: its RuntimeError of the TypeError, never a 503.
+        with pytest.raises((TypeError, RuntimeError), match="can't be used in 'await'") as raised:
             await store.insert(NewClaim("f" * 64, "h", "t", *_claim_times()))
+        assert not isinstance(raised.value, StoreError)
     finally:
         client.close()
 
@@ -671,6 +673,11 @@ async def test_capabilities_are_declared(redis_url: str) -> None:
     store = RedisStore(redis_url)
     try:
         assert capabilities(store) is store.capabilities
-        assert store.capabilities == Capabilities(transactions=False, stats=True, prune=True)
+        assert store.capabilities == Capabilities(
+            transactions=False, batching=True, stats=True, prune=True
+        )
     finally:
         await store.close()
+    assert not capabilities(RedisStore(redis_url, batching=False)).batching
+    # Each write keeps its own script + WAIT pipeline.
+    assert not capabilities(RedisStore(redis_url, wait_replicas=1, wait_timeout=0.5)).batching

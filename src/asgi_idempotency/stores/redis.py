@@ -53,12 +53,13 @@ import heapq
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
 from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
+from .batching import Batcher, BatchStats
 from .codec import decode_headers, encode_headers
 from .loops import LoopTenure
 from .sqlerrors import ErrorBoundary
@@ -242,6 +243,8 @@ return 0
 """
 
 _SCAN_COUNT = 1000
+# Requests per pipeline, at most, by default (as SQLStore's MAX_BATCH).
+MAX_BATCH = 256
 _BATCH = 500
 
 # The timed-out claims the store still means to release (see RedisStore._orphaned): at
@@ -257,6 +260,29 @@ _ORPHAN_MISSES = 2
 logger = logging.getLogger("asgi_idempotency")
 
 _Client = aioredis.Redis | RedisCluster
+
+
+class _Op(NamedTuple):
+    """One script call queued for a pipeline: its reply is the waiter's answer."""
+
+    script: AsyncScript
+    rkey: str
+    args: Sequence[Any]
+    size: int  # payload bytes, for the batcher's max_bytes (a completion's response)
+
+
+def _op_key(op: _Op) -> str:
+    return op.rkey
+
+
+def _op_size(op: _Op) -> int:
+    return op.size
+
+
+# Replies a cluster node gives for a command it did not run because the slot is not
+# (or not yet, or no longer) its own: each is sent again through the cluster client,
+# which follows the redirect.
+_REDIRECTED = (rexc.MovedError, rexc.AskError, rexc.TryAgainError)
 
 
 def _escape_glob(text: str) -> str:
@@ -297,6 +323,14 @@ class RedisStore:
             README's Redis and Redis Cluster section.
         wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
             less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
+        batching: pipeline the hot path (default ``True``): while a command to a server
+            (on a cluster, to a slot's primary) is in flight, the claims, completions,
+            releases and renewals that arrive for it queue, and leave together as one
+            pipeline of the same scripts, each request answered when the pipeline
+            returns. A request that arrives alone is sent at once. ``False``: one
+            command per request. Not with ``wait_replicas``: each write and its
+            ``WAIT`` stay one pipeline of their own.
+        max_batch: script calls per pipeline, at most (default 256).
 
     A claim (``insert`` or ``replace``) whose call timed out is withdrawn: it may still
     run on the server, and the store then releases it by its token in the background,
@@ -308,8 +342,8 @@ class RedisStore:
 
     Raises:
         ValueError: an unsupported URL scheme, a client that decodes responses, a
-            timeout that is not positive, or a ``wait_timeout`` not below
-            ``command_timeout`` with ``wait_replicas``.
+            timeout that is not positive, a ``wait_timeout`` not below
+            ``command_timeout`` with ``wait_replicas``, or a ``max_batch`` below 1.
     """
 
     def __init__(
@@ -320,7 +354,11 @@ class RedisStore:
         key_prefix: str = "idem",
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        batching: bool = True,
+        max_batch: int = MAX_BATCH,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
         if wait_replicas < 0:
@@ -354,7 +392,14 @@ class RedisStore:
             raise ValueError("RedisStore needs a client with decode_responses=False")
         # No transactions (a handler's writes cannot join a Lua script); stats and
         # prune by SCAN over every primary.
-        self.capabilities = Capabilities(transactions=False, batching=False)
+        # WAIT counts the replicas that have one connection's writes: each write keeps
+        # its own script + WAIT pipeline (_run_and_wait), so WAIT means what it meant.
+        self.batching: bool = batching and not wait_replicas
+        self._max_batch = max_batch
+        # One batcher per server (per primary, by node name, on a cluster): at most one
+        # pipeline in flight to each, what arrives meanwhile queued for the next.
+        self._batchers: dict[str, Batcher[_Op, Any]] = {}
+        self.capabilities = Capabilities(transactions=False, batching=self.batching)
         self._prefix = f"{key_prefix}:{{"
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas
@@ -401,6 +446,8 @@ class RedisStore:
             # The old loop's sweeper ends with its loop; its claims' leases are theirs.
             self._orphans, self._sweeper = {}, None
             self._cold = isinstance(self.client, RedisCluster)
+        # A batcher's task and futures belong to the loop it first ran on.
+        self._batchers = {}
         own = self.client if self._owns_client else None
         self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
         self._loop = self._tenure.loop
@@ -423,16 +470,117 @@ class RedisStore:
                 await _call(self.client.initialize(), self._timeout)
                 self._cold = False
 
-    async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+    async def _run(self, script: AsyncScript, key: str, args: Sequence[Any], size: int = 0) -> Any:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         if self._cold:
             await self._warm()
         if self._wait:
             return await _call(self._run_and_wait(script, key, args), self._timeout)
-        return await _call(self._evalsha(script, self._key(key), args), self._timeout)
+        rkey = self._key(key)
+        if not self.batching:
+            return await _call(self._evalsha(script, rkey, args), self._timeout)
+        # The deadline covers the wait in the queue too, so a request is answered within
+        # command_timeout as without batching; a waiter that gives up is dropped from
+        # the queue, or, if its pipeline was sent, its reply is (see _orphaned).
+        op = _Op(script, rkey, args, size)
+        reply = await _call(self._batcher(rkey).submit(op), self._timeout)
+        if isinstance(reply, Exception):  # this command's own error reply in the pipeline
+            raise translate(reply) from reply
+        return reply
 
-    async def _evalsha(self, script: AsyncScript, rkey: str, args: Sequence[Any]) -> Any:
+    def _batcher(self, rkey: str) -> Batcher[_Op, Any]:
+        """The batcher of ``rkey``'s server: the one server's, or its slot's primary's."""
+        client = self.client
+        name = ""
+        if isinstance(client, RedisCluster):
+            # No node for the slot (a map mid-change): such a batch goes by the cluster
+            # client, command by command (_send).
+            node = client.get_node_from_key(rkey)
+            name = "?" if node is None else node.name
+        batcher = self._batchers.get(name)
+        if batcher is None:
+            batcher = self._batchers[name] = Batcher(
+                functools.partial(self._pipeline, name),
+                key=_op_key,
+                # Redis runs a pipeline's scripts one after another, each atomic, in the
+                # order sent (arrival order): a second operation on a key in the same
+                # pipeline sees what the first did, as in a command of its own just after.
+                distinct=False,
+                max_size=self._max_batch,
+                size=_op_size,
+            )
+        return batcher
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """Pipelines sent and script calls they carried, over every server (this loop's)."""
+        total = BatchStats()
+        for batcher in self._batchers.values():
+            total.statements += batcher.stats.statements
+            total.operations += batcher.stats.operations
+            total.largest = max(total.largest, batcher.stats.largest)
+        return total
+
+    async def _pipeline(self, node: str, batch: list[_Op]) -> list[Any]:
+        """Send ``batch`` to its server: alone, as the one command; else one pipeline.
+
+        Returns each command's reply, or the error reply it got (a ``ResponseError``),
+        for its waiter to raise. Raises :class:`StoreError` when the pipeline as a whole
+        failed (unreachable, timed out): every request in it then fails.
+        """
+        if len(batch) == 1:
+            # Alone: what an unbatched request sends, through the client that follows
+            # redirects; no loop pass first (the batcher's task was one).
+            op = batch[0]
+            return [await _call(self._evalsha(op.script, op.rkey, op.args, pause=False),
+                                self._timeout)]  # fmt: skip
+        client = self.client
+        target: aioredis.Redis | None
+        if isinstance(client, RedisCluster):
+            # A plain pipeline on the primary's own connection: the batch is one node's
+            # by construction, and a redirected command is re-sent on its own below.
+            found = client.get_node(node_name=node)
+            target = None if found is None else self._node_client(found)
+        else:
+            target = client
+        return await _call(self._send(target, batch), self._timeout)
+
+    async def _send(self, target: aioredis.Redis | None, batch: list[_Op]) -> list[Any]:
+        cluster = self.client if isinstance(self.client, RedisCluster) else None
+        if target is None:  # the node left the map since the batch was queued
+            replies: list[Any] = [rexc.MovedError("0 node-left:0")] * len(batch)
+        else:
+            try:
+                replies = await _pipe(target, batch)
+                lost = [i for i, r in enumerate(replies) if isinstance(r, rexc.NoScriptError)]
+                if lost:
+                    # A flushed or restarted server: load what it lost, send those again
+                    # (they did not run).
+                    for script in {id(batch[i].script): batch[i].script for i in lost}.values():
+                        script.sha = await target.script_load(script.script)
+                    again = await _pipe(target, [batch[i] for i in lost])
+                    for i, reply in zip(lost, again, strict=True):
+                        replies[i] = reply
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+                if cluster is not None:
+                    await self._refresh_slots(cluster)  # a dead or demoted node
+                raise
+        if cluster is not None:
+            moved = [i for i, reply in enumerate(replies) if isinstance(reply, _REDIRECTED)]
+            if moved:
+                await self._refresh_slots(cluster, wait=True)
+                for i in moved:  # in the order sent, so one key's operations stay in order
+                    op = batch[i]
+                    try:
+                        replies[i] = await self._evalsha(op.script, op.rkey, op.args, pause=False)
+                    except REDIS_ERRORS.errors as exc:
+                        replies[i] = exc
+        return replies
+
+    async def _evalsha(
+        self, script: AsyncScript, rkey: str, args: Sequence[Any], *, pause: bool = True
+    ) -> Any:
         # What AsyncScript.__call__ does, without its three layers of calls (evalsha,
         # _evalsha), tuple copies and per-call import: EVALSHA, and on NOSCRIPT (a
         # flushed or restarted server) SCRIPT LOAD and once more.
@@ -444,7 +592,8 @@ class RedisStore:
         # over HTTP at 32 connections fresh keys went from 0.75-0.78x to 0.96-1.02x of
         # redis-py's defaults, replays from 0.81-0.87x to 0.86-0.91x. Cancelled here,
         # nothing has been sent.
-        await asyncio.sleep(0)
+        if pause:
+            await asyncio.sleep(0)
         try:
             return await execute("EVALSHA", script.sha, 1, rkey, *args)
         except rexc.NoScriptError:
@@ -571,9 +720,10 @@ class RedisStore:
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
     ) -> bool:
-        args = [token, response.status, encode_headers(response.headers), response.body,
-                _us(expires_at)]  # fmt: skip
-        return bool(await self._run(self._complete, key, args))
+        headers = encode_headers(response.headers)
+        args = [token, response.status, headers, response.body, _us(expires_at)]
+        size = len(headers) + len(response.body)
+        return bool(await self._run(self._complete, key, args, size))
 
     async def release(self, key: str, token: str) -> bool:
         return bool(await self._run(self._release, key, [token]))
@@ -750,6 +900,10 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
+        batchers, self._batchers = list(self._batchers.values()), {}
+        if self._loop is asyncio.get_running_loop():
+            for batcher in batchers:  # answer what is queued and in flight first
+                await batcher.close()
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None and not sweeper.done():
             # Closing drops the releases still pending: those keys keep their claim
@@ -765,6 +919,16 @@ class RedisStore:
         elif tenure.loop is asyncio.get_running_loop():
             await tenure.end()
         # Else the connections are another loop's, closed as that loop shuts down.
+
+
+async def _pipe(target: aioredis.Redis, batch: Sequence[_Op]) -> list[Any]:
+    """One pipeline (no MULTI) of ``batch``'s script calls; a command's error reply is
+    its entry in the result rather than raised, so it fails that request alone."""
+    pipe = target.pipeline(transaction=False)
+    for op in batch:
+        pipe.execute_command("EVALSHA", op.script.sha, 1, op.rkey, *op.args)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 def _log_orphan(level: int, event: str, key: str, hint: str) -> None:

@@ -1,0 +1,174 @@
+"""Redis pipelining (``RedisStore(batching=True)``, the default), on real servers.
+
+While a command to a server (a slot's primary, on a cluster) is in flight, what arrives
+for it leaves as one pipeline of the same scripts; each request is answered from its
+own reply. Counted by the store's batch stats (pipelines sent) and by the servers'
+``INFO commandstats`` (scripts run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from asgi_idempotency import StoredResponse, StoreError, lifecycle
+from asgi_idempotency.lifecycle import ClaimOutcome
+from asgi_idempotency.stores.base import NewClaim, RecordStatus
+from asgi_idempotency.stores.redis import RedisStore
+from tests.redis_servers import start_server
+from tests.stores.test_redis import _commandstats, _ports
+
+pytestmark = [pytest.mark.anyio, pytest.mark.redis]
+
+RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')
+LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
+
+
+def _new(key: str, token: str, request_hash: str = "h") -> NewClaim:
+    now = datetime.now(UTC)
+    return NewClaim(key, request_hash, token, now, now + LEASE, now + TTL)
+
+
+async def _claim(store: RedisStore, key: str, token: str, request_hash: str = "h") -> ClaimOutcome:
+    now = datetime.now(UTC)
+    answer = await lifecycle.claim(store, key, request_hash, token, now=now,
+                                   locked_until=now + LEASE, expires_at=now + TTL)  # fmt: skip
+    return answer.outcome
+
+
+async def test_concurrent_claims_share_pipelines_and_each_is_answered(
+    rstore: RedisStore,
+) -> None:
+    """200 claims of distinct keys at once: fewer pipelines than requests, every script
+    run once, and each claim's record is its own."""
+    assert rstore.batching
+    # Connected, the slot map learnt (a cluster), the scripts loaded (one claim per node).
+    await asyncio.gather(*(rstore.insert(_new(f"{i:064x}", "warm")) for i in range(1000, 1030)))
+    ports = _ports(rstore)
+    before, stats = _commandstats(ports).get("evalsha", 0), rstore.batch_stats
+    keys = [f"{i:064x}" for i in range(200)]
+    answers = await asyncio.gather(*(rstore.insert(_new(k, f"t{i}")) for i, k in enumerate(keys)))
+    assert answers == [None] * len(keys)
+    sent = rstore.batch_stats
+    pipelines = sent.statements - stats.statements
+    assert sent.operations - stats.operations == len(keys)
+    assert pipelines < len(keys) / 4, sent  # a few per server, not one per request
+    assert _commandstats(ports)["evalsha"] - before == len(keys)
+    records = [await rstore.get(k) for k in keys]  # reads are not batched: one at a time
+    assert [(r.token, r.status) for r in records if r is not None] == [
+        (f"t{i}", RecordStatus.IN_PROGRESS) for i in range(len(keys))
+    ]
+    # Completions, releases and renewals share pipelines too, each fenced by its token.
+    done = await asyncio.gather(
+        *(rstore.complete(k, f"t{i}", RESPONSE, expires_at=datetime.now(UTC) + TTL)
+          for i, k in enumerate(keys[:100])),
+        *(rstore.release(k, "not-the-owner") for k in keys[100:150]),
+        *(rstore.renew(k, f"t{i + 150}", locked_until=datetime.now(UTC) + 2 * LEASE)
+          for i, k in enumerate(keys[150:])),
+    )  # fmt: skip
+    assert done == [True] * 100 + [False] * 50 + [True] * 50
+    assert rstore.batch_stats.statements - sent.statements < 150 / 4
+
+
+async def test_claims_of_one_key_in_one_pipeline_run_once(rstore: RedisStore) -> None:
+    """Twenty claims of one key in one pipeline: the scripts run in order, so the first
+    claims and the others meet its claim (409); once it completed, a storm of the same
+    request all replay, and another request is a 422."""
+    key = "a" * 64
+    await rstore.get(key)
+    before = rstore.batch_stats
+    outcomes = await asyncio.gather(*(_claim(rstore, key, f"t{i}") for i in range(20)))
+    assert rstore.batch_stats.largest >= 20  # they went together
+    assert rstore.batch_stats.statements - before.statements == 1
+    assert outcomes.count(ClaimOutcome.CLAIMED) == 1
+    assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 19
+    owner = f"t{outcomes.index(ClaimOutcome.CLAIMED)}"
+    assert owner == "t0"  # arrival order
+    assert await rstore.complete(key, owner, RESPONSE, expires_at=datetime.now(UTC) + TTL)
+    storm = await asyncio.gather(
+        *(_claim(rstore, key, f"r{i}") for i in range(20)), _claim(rstore, key, "x", "other")
+    )
+    assert storm == [ClaimOutcome.COMPLETED] * 20 + [ClaimOutcome.MISMATCH]
+    record = await rstore.get(key)
+    assert record is not None
+    assert (record.token, record.response) == (owner, RESPONSE)
+
+
+async def test_a_failed_pipeline_fails_each_request_with_its_own_error(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "dies")
+    store = RedisStore(server.url, command_timeout=1)
+    try:
+        assert await store.insert(_new("b" * 64, "warm")) is None
+        server.kill()
+        results = await asyncio.gather(
+            *(store.insert(_new(f"{i:064x}", f"t{i}")) for i in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, StoreError) for r in results), results
+        assert len({id(r) for r in results}) == 10  # one error each, not one shared
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_cancelled_waiter_never_cancels_its_pipeline(rstore: RedisStore) -> None:
+    """The pipeline runs in the batcher's task: a waiter that goes away loses only its
+    answer. Its claim, which landed, is the lifecycle's ``orphaned`` callback's to release
+    (the store adds no release path of its own)."""
+    await rstore.get("0" * 64)
+    keys = [f"{i + 1:064x}" for i in range(10)]
+    orphaned: list[NewClaim] = []
+    now = datetime.now(UTC)
+    tasks = [
+        asyncio.create_task(
+            lifecycle.claim(
+                rstore,
+                k,
+                "h",
+                f"t{i}",
+                now=now,
+                locked_until=now + LEASE,
+                expires_at=now + TTL,
+                orphaned=orphaned.append,
+            )
+        )
+        for i, k in enumerate(keys)
+    ]
+    # Until the batcher has taken every claim into its pipeline (its own counter: there
+    # is no event to wait on).
+    while rstore.batch_stats.operations < 10:  # noqa: ASYNC110
+        await asyncio.sleep(0)
+    tasks[3].cancel()
+    rest = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(rest[3], asyncio.CancelledError)
+    assert all(r == lifecycle.CLAIMED for i, r in enumerate(rest) if i != 3)
+    assert [o.token for o in orphaned] == ["t3"]
+    landed = await rstore.get(keys[3])
+    assert landed is not None  # the pipeline went on: its claim ran
+    assert await lifecycle.release_orphan(rstore, orphaned[0])
+    assert await rstore.get(keys[3]) is None
+
+
+async def test_batching_off_sends_one_command_per_request(redis_url: str) -> None:
+    store = RedisStore(redis_url, batching=False)
+    try:
+        answers = await asyncio.gather(*(store.insert(_new(f"c{i:063x}", "t")) for i in range(20)))
+        assert answers == [None] * 20
+        assert store.batch_stats.statements == 0
+    finally:
+        await store.close()
+
+
+async def test_max_batch_bounds_a_pipeline(redis_url: str) -> None:
+    store = RedisStore(redis_url, max_batch=4)
+    try:
+        await store.get("0" * 64)
+        await asyncio.gather(*(store.insert(_new(f"d{i:063x}", "t")) for i in range(20)))
+        assert store.batch_stats.largest == 4
+        assert store.batch_stats.operations == 20
+    finally:
+        await store.close()
+    with pytest.raises(ValueError, match="max_batch"):
+        RedisStore(redis_url, max_batch=0)
