@@ -53,7 +53,7 @@ import heapq
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
@@ -262,21 +262,18 @@ logger = logging.getLogger("asgi_idempotency")
 _Client = aioredis.Redis | RedisCluster
 
 
-class _Op(NamedTuple):
-    """One script call queued for a pipeline: its reply is the waiter's answer."""
-
-    script: AsyncScript
-    rkey: str
-    args: Sequence[Any]
-    size: int  # payload bytes, for the batcher's max_bytes (a completion's response)
+# One script call for a pipeline: (script, record key, arguments, payload bytes for the
+# batcher's max_bytes). A plain tuple: built on every request, where a NamedTuple's
+# __new__ is a Python call.
+_Op = tuple[AsyncScript, str, Sequence[Any], int]
 
 
 def _op_key(op: _Op) -> str:
-    return op.rkey
+    return op[1]
 
 
 def _op_size(op: _Op) -> int:
-    return op.size
+    return op[3]
 
 
 # Replies a cluster node gives for a command it did not run because the slot is not
@@ -483,7 +480,7 @@ class RedisStore:
         # The deadline covers the wait in the queue too, so a request is answered within
         # command_timeout as without batching; a waiter that gives up is dropped from
         # the queue, or, if its pipeline was sent, its reply is (see _orphaned).
-        op = _Op(script, rkey, args, size)
+        op = (script, rkey, args, size)
         reply = await _call(self._batcher(rkey).submit(op), self._timeout)
         if isinstance(reply, Exception):  # this command's own error reply in the pipeline
             raise translate(reply) from reply
@@ -509,6 +506,11 @@ class RedisStore:
                 distinct=False,
                 max_size=self._max_batch,
                 size=_op_size,
+                # A request that finds the server idle is sent from its own task, as
+                # without batching: no task, future and loop pass of the batcher's, so
+                # a lone request costs what it did. Cancelling it is then what it was
+                # without batching (a claim's is the lifecycle's orphaned callback's).
+                inline=self._alone,
             )
         return batcher
 
@@ -522,6 +524,11 @@ class RedisStore:
             total.largest = max(total.largest, batcher.stats.largest)
         return total
 
+    def _alone(self, op: _Op) -> Awaitable[Any]:
+        # Within the caller's own deadline (_run); no loop pass before the send: the
+        # request found nothing to wait for.
+        return self._evalsha(op[0], op[1], op[2], pause=False)
+
     async def _pipeline(self, node: str, batch: list[_Op]) -> list[Any]:
         """Send ``batch`` to its server: alone, as the one command; else one pipeline.
 
@@ -532,9 +539,8 @@ class RedisStore:
         if len(batch) == 1:
             # Alone: what an unbatched request sends, through the client that follows
             # redirects; no loop pass first (the batcher's task was one).
-            op = batch[0]
-            return [await _call(self._evalsha(op.script, op.rkey, op.args, pause=False),
-                                self._timeout)]  # fmt: skip
+            script, rkey, args, _ = batch[0]
+            return [await _call(self._evalsha(script, rkey, args, pause=False), self._timeout)]
         client = self.client
         target: aioredis.Redis | None
         if isinstance(client, RedisCluster):
@@ -557,7 +563,7 @@ class RedisStore:
                 if lost:
                     # A flushed or restarted server: load what it lost, send those again
                     # (they did not run).
-                    for script in {id(batch[i].script): batch[i].script for i in lost}.values():
+                    for script in {id(batch[i][0]): batch[i][0] for i in lost}.values():
                         script.sha = await target.script_load(script.script)
                     again = await _pipe(target, [batch[i] for i in lost])
                     for i, reply in zip(lost, again, strict=True):
@@ -571,11 +577,11 @@ class RedisStore:
             if moved:
                 await self._refresh_slots(cluster, wait=True)
                 for i in moved:  # in the order sent, so one key's operations stay in order
-                    op = batch[i]
+                    script, rkey, args, _ = batch[i]
                     try:
-                        replies[i] = await self._evalsha(op.script, op.rkey, op.args, pause=False)
-                    except REDIS_ERRORS.errors as exc:
-                        replies[i] = exc
+                        replies[i] = await self._evalsha(script, rkey, args, pause=False)
+                    except StoreError as exc:
+                        replies[i] = exc.__cause__ or exc
         return replies
 
     async def _evalsha(
@@ -595,10 +601,15 @@ class RedisStore:
         if pause:
             await asyncio.sleep(0)
         try:
-            return await execute("EVALSHA", script.sha, 1, rkey, *args)
-        except rexc.NoScriptError:
-            script.sha = await self.client.script_load(script.script)
-            return await execute("EVALSHA", script.sha, 1, rkey, *args)
+            try:
+                return await execute("EVALSHA", script.sha, 1, rkey, *args)
+            except rexc.NoScriptError:
+                script.sha = await self.client.script_load(script.script)
+                return await execute("EVALSHA", script.sha, 1, rkey, *args)
+        except REDIS_ERRORS.errors as exc:
+            # Here as well as in _call: a lone batched request is sent from here with no
+            # _call of its own around it (its caller's deadline is the bound).
+            raise REDIS_ERRORS.translate(exc) from exc
 
     async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         # WAIT counts the replicas that have *this connection's* writes, so it must go on
@@ -926,7 +937,7 @@ async def _pipe(target: aioredis.Redis, batch: Sequence[_Op]) -> list[Any]:
     its entry in the result rather than raised, so it fails that request alone."""
     pipe = target.pipeline(transaction=False)
     for op in batch:
-        pipe.execute_command("EVALSHA", op.script.sha, 1, op.rkey, *op.args)
+        pipe.execute_command("EVALSHA", op[0].sha, 1, op[1], *op[2])
     replies: list[Any] = await pipe.execute(raise_on_error=False)
     return replies
 
