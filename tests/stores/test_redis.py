@@ -681,3 +681,30 @@ async def test_capabilities_are_declared(redis_url: str) -> None:
     assert not capabilities(RedisStore(redis_url, batching=False)).batching
     # Each write keeps its own script + WAIT pipeline.
     assert not capabilities(RedisStore(redis_url, wait_replicas=1, wait_timeout=0.5)).batching
+
+
+async def test_the_row_in_a_claims_way_comes_back_byte_for_byte(rstore: RedisStore) -> None:
+    """The insert script packs the row in its way into one reply (lengths, then the
+    values back to back): bodies and headers holding spaces, newlines and any byte,
+    and tokens of any text, come back exactly."""
+    now, locked, expires = _claim_times()
+    key, token = "9" * 64, "a token\nwith a newline"
+    response = StoredResponse(
+        200, ((b"x-note", b"two words\t"), (b"content-type", b"text/plain")), b"a\nb c\x00\xff\n"
+    )
+    assert await rstore.insert(NewClaim(key, "h 1", token, now, locked, expires)) is None
+    running = await rstore.insert(NewClaim(key, "h 1", "other", now, locked, expires))
+    assert running is not None
+    assert (running.request_hash, running.token, running.response) == ("h 1", token, None)
+    assert (running.created_at, running.locked_until, running.expires_at) == (now, locked, expires)
+    assert await rstore.complete(key, token, response, expires_at=expires)
+    done = await rstore.insert(NewClaim(key, "h 1", "other", now, locked, expires))
+    assert done is not None
+    assert (done.status, done.response) == (RecordStatus.COMPLETED, response)
+    empty = StoredResponse(204, (), b"")
+    assert await rstore.insert(NewClaim("8" * 64, "h", "t", now, locked, expires)) is None
+    assert await rstore.complete("8" * 64, "t", empty, expires_at=expires)
+    again = await rstore.insert(NewClaim("8" * 64, "h", "u", now, locked, expires))
+    assert again is not None
+    assert again.response == empty
+    assert again == await rstore.get("8" * 64)
