@@ -692,13 +692,13 @@ async def test_the_row_in_a_claims_way_comes_back_byte_for_byte(rstore: RedisSto
     response = StoredResponse(
         200, ((b"x-note", b"two words\t"), (b"content-type", b"text/plain")), b"a\nb c\x00\xff\n"
     )
-    assert await rstore.insert(NewClaim(key, "h 1", token, now, locked, expires)) is None
-    running = await rstore.insert(NewClaim(key, "h 1", "other", now, locked, expires))
+    assert await rstore.insert(NewClaim(key, "h é 1", token, now, locked, expires)) is None
+    running = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
     assert running is not None
-    assert (running.request_hash, running.token, running.response) == ("h 1", token, None)
+    assert (running.request_hash, running.token, running.response) == ("h é 1", token, None)
     assert (running.created_at, running.locked_until, running.expires_at) == (now, locked, expires)
     assert await rstore.complete(key, token, response, expires_at=expires)
-    done = await rstore.insert(NewClaim(key, "h 1", "other", now, locked, expires))
+    done = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
     assert done is not None
     assert (done.status, done.response) == (RecordStatus.COMPLETED, response)
     empty = StoredResponse(204, (), b"")

@@ -153,10 +153,12 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # lifecycle the same answer, a stored response is never overwritten, and a resent
 # completion whose first attempt landed answers 0.
 
-# A claim's four numbers travel as one argument, "created locked expires ttl_ms"
-# (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
-# splits the string for next to nothing.
-# KEYS[1] record; ARGV h, token, "created locked expires ttl_ms".
+# A claim travels as ONE argument, "created locked expires ttl_ms #h h token"
+# (_claim_args): each argument is a round of redis-py's encoding and packing (several
+# isinstance checks and a length header each), and Lua splits the string for next to
+# nothing. The request hash and the token are any text: the length of h says where it
+# ends, and the token is the rest.
+# KEYS[1] record; ARGV the claim.
 # Returns 0 when written, else the row in the way packed into ONE bulk string:
 #   "s c l e rs #h #t #rh\n" h t rh rb
 # a line of the fields that are ours and never hold a space (rs empty while in
@@ -166,45 +168,48 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # decode), so one reply instead of an array of five is most of what a replay costs on
 # our side of the socket, and _claimed takes it apart with one split and slices.
 _INSERT = """
-local c, l, e, ttl = string.match(ARGV[3], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
+local c, l, e, ttl, n, rest = string.match(ARGV[1], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
+n = tonumber(n)
+local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
-  if row[3] == ARGV[2] then return 0 end
+  if row[3] == t then return 0 end
   local rh = row[8] or ''
   return row[2] .. ' ' .. row[4] .. ' ' .. row[5] .. ' ' .. row[6] .. ' ' .. (row[7] or '')
     .. ' ' .. #row[1] .. ' ' .. #row[3] .. ' ' .. #rh .. '\\n'
     .. row[1] .. row[3] .. rh .. (row[9] or '')
 end
-redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2],
-           'c', c, 'l', l, 'e', e)
+redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
 return 0
 """
 
-# KEYS[1]; ARGV old token, old status, old locked_until, h, token,
-# "created locked expires ttl_ms". Compare-and-swap on the row as read: 1 if swapped.
+# KEYS[1]; ARGV old token, old status, old locked_until, the claim (as _INSERT's).
+# Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = """
-local c, l, e, ttl = string.match(ARGV[6], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
+local c, l, e, ttl, n, rest = string.match(ARGV[4], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
+n = tonumber(n)
+local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
-if row[1] == ARGV[5] then return 1 end
+if row[1] == t then return 1 end
 if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'h', ARGV[4], 's', 'in_progress', 't', ARGV[5],
-           'c', c, 'l', l, 'e', e)
+redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
 return 1
 """
 
-# KEYS[1]; ARGV token, status, headers, body, expires. The TTL runs from the claim's
-# created_at (in the caller's clock, like expires_at), so it is never shorter than
-# the retention the caller asked for.
+# KEYS[1]; ARGV "status expires token" (one argument, as a claim's; the token is the
+# rest), headers, body. The TTL runs from the claim's created_at (in the caller's
+# clock, like expires_at), so it is never shorter than the retention the caller asked
+# for.
 _COMPLETE = """
+local rs, e, t = string.match(ARGV[1], '^(%d+) (%-?%d+) (.*)$')
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
-if row[1] ~= ARGV[1] then return 0 end
+if row[1] ~= t then return 0 end
 if row[2] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4],
-           'e', ARGV[5])
-local ttl = math.ceil((tonumber(ARGV[5]) - tonumber(row[3])) / 1000)
+redis.call('HSET', KEYS[1], 's', 'completed', 'rs', rs, 'rh', ARGV[2], 'rb', ARGV[3], 'e', e)
+local ttl = math.ceil((tonumber(e) - tonumber(row[3])) / 1000)
 if ttl < 1 then ttl = 1 end
 redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
 return 1
@@ -716,7 +721,11 @@ class RedisStore:
         created, expires = _us(new.now), _us(new.expires_at)
         # The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it).
         ttl = max(1, -(-(expires - created) // 1000))
-        return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
+        h = new.request_hash
+        # len(h) in characters is its length in bytes only for ASCII (our hashes are hex
+        # digests); anything else is measured as the bytes Lua will count.
+        n = len(h) if h.isascii() else len(h.encode())
+        return [f"{created} {_us(new.locked_until)} {expires} {ttl} {n} {h}{new.token}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
         try:
@@ -738,7 +747,7 @@ class RedisStore:
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
     ) -> bool:
         headers = encode_headers(response.headers)
-        args = [token, response.status, headers, response.body, _us(expires_at)]
+        args = [f"{response.status} {_us(expires_at)} {token}", headers, response.body]
         size = len(headers) + len(response.body)
         return bool(await self._run(self._complete, key, args, size))
 
