@@ -13,13 +13,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from redis.crc import key_slot
 
 from asgi_idempotency import StoredResponse, StoreError, lifecycle
 from asgi_idempotency.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import NewClaim, RecordStatus
 from asgi_idempotency.stores.redis import RedisStore
+from tests.redis_servers import RedisCluster as OurCluster
 from tests.redis_servers import start_server
-from tests.stores.test_redis import _commandstats, _ports
+from tests.stores.test_redis import _commandstats, _keys_on, _ports, patient_cluster
+
+__all__ = ["patient_cluster"]  # the fixture, shared with test_redis.py
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
@@ -177,3 +181,57 @@ async def test_max_batch_bounds_a_pipeline(redis_url: str) -> None:
         await store.close()
     with pytest.raises(ValueError, match="max_batch"):
         RedisStore(redis_url, max_batch=0)
+
+
+def _keys_in_slot(slot: int, count: int) -> list[str]:
+    found = []
+    for i in range(2_000_000):
+        key = f"{i:064x}"
+        if key_slot(f"idem:{{{key}}}".encode()) == slot:
+            found.append(key)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"no {count} keys in slot {slot}")
+
+
+async def test_a_pipeline_that_meets_a_moved_slot_resends_those_commands(
+    patient_cluster: OurCluster,
+) -> None:
+    """A slot moves to another primary after the store learnt the map: the pipeline to
+    the old owner runs its other scripts, gets MOVED for that slot's (which did not
+    run), and those are sent again through the cluster client, to the new owner."""
+    cluster = patient_cluster
+    store = RedisStore(cluster.url, command_timeout=3)
+    try:
+        await store.get("0" * 64)  # the slot map, learnt now
+        source = cluster.primary_of("idem:{" + "0" * 64 + "}")
+        target = next(n for n in cluster.nodes if n.port != source.port)
+        others = _keys_on(store, source.port, 30)
+        slot = key_slot(f"idem:{{{others[0]}}}".encode())
+        moving = _keys_in_slot(slot, 3)
+        staying = [k for k in others if key_slot(f"idem:{{{k}}}".encode()) != slot][:10]
+        # An empty slot changes owner by telling every node (CLUSTER SETSLOT ... NODE).
+        target_id = target.cli("CLUSTER", "MYID").strip()
+        for node in [target, *(n for n in cluster.nodes if n is not target)]:
+            node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
+        cluster.wait_ok()
+        assert cluster.primary_of(f"idem:{{{moving[0]}}}").port == target.port
+        before = store.batch_stats
+        # The first goes alone; the rest queue behind it and leave as one pipeline to
+        # the old owner, as the store's (stale) map says.
+        keys = [staying[0], *moving, *staying[1:]]
+        answers = await asyncio.gather(
+            *(store.insert(_new(k, f"t{i}")) for i, k in enumerate(keys))
+        )
+        assert answers == [None] * len(keys)
+        assert store.batch_stats.largest >= len(keys) - 1
+        assert store.batch_stats.statements - before.statements == 2
+        for i, key in enumerate(keys):
+            record = await store.get(key)
+            assert record is not None
+            assert record.token == f"t{i}"
+        assert target.cli("EXISTS", f"idem:{{{moving[0]}}}").strip() == "1"
+        # The old owner answered MOVED to the moved slot's three, and ran none of them.
+        assert "errorstat_MOVED:count=3" in source.cli("INFO", "errorstats")
+    finally:
+        await store.close()
