@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from asgi_idempotency import StoredResponse, StoreError, lifecycle
@@ -20,7 +21,7 @@ from asgi_idempotency.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import NewClaim, RecordStatus
 from asgi_idempotency.stores.redis import RedisStore
 from tests.redis_servers import RedisCluster as OurCluster
-from tests.redis_servers import start_server
+from tests.redis_servers import redis_cli, start_server
 from tests.stores.test_redis import _commandstats, _keys_on, _ports, patient_cluster
 
 __all__ = ["patient_cluster"]  # the fixture, shared with test_redis.py
@@ -235,3 +236,46 @@ async def test_a_pipeline_that_meets_a_moved_slot_resends_those_commands(
         assert "errorstat_MOVED:count=3" in source.cli("INFO", "errorstats")
     finally:
         await store.close()
+
+
+async def test_scripts_flushed_on_the_server_are_reloaded_for_a_pipeline(
+    rstore: RedisStore,
+) -> None:
+    """A pipelined EVALSHA is not reloaded by redis-py: after SCRIPT FLUSH the store
+    loads what the server lost and sends those commands again (they did not run)."""
+    keys = [f"{i + 500:064x}" for i in range(11)]
+    if isinstance(rstore.client, RedisCluster):
+        # All on one primary, so that no request finds another server idle and, alone,
+        # reloads the script everywhere (the cluster client's SCRIPT LOAD) first.
+        node = rstore.client.get_node_from_key(f"idem:{{{keys[0]}}}")
+        assert node is not None
+        keys = _keys_on(rstore, int(node.port), 11)
+    first, keys = keys[0], keys[1:]
+    assert await asyncio.gather(*(rstore.insert(_new(k, "t")) for k in keys)) == [None] * 10
+    await rstore.client.script_flush()  # every primary, on a cluster
+    before = _errorstats(_ports(rstore)).get("NOSCRIPT", 0)
+    expires = datetime.now(UTC) + TTL
+    # The first finds its server idle and reloads its own script; the completions
+    # queue behind it and meet NOSCRIPT in their pipeline.
+    blocker, *done = await asyncio.gather(
+        rstore.insert(_new(first, "t")),
+        *(rstore.complete(k, "t", RESPONSE, expires_at=expires) for k in keys),
+    )
+    assert blocker is None
+    assert done == [True] * 10
+    # The blocker's one, and each completion's once: none ran twice, none was lost.
+    assert _errorstats(_ports(rstore))["NOSCRIPT"] - before == 11
+    for key in keys:
+        record = await rstore.get(key)
+        assert record is not None
+        assert record.response == RESPONSE
+
+
+def _errorstats(ports: list[int]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for port in ports:
+        for line in redis_cli(port, "INFO", "errorstats").splitlines():
+            if line.startswith("errorstat_"):
+                name, _, fields = line.removeprefix("errorstat_").partition(":")
+                totals[name] = totals.get(name, 0) + int(fields.split("=")[1])
+    return totals
