@@ -6,11 +6,15 @@ Requests one at a time (no concurrency), each a claim and its completion through
 throwaway ``redis-server``). Pipelining must cost a lone request nothing: it is sent at
 once, with no timer. Prints each variant's median (p50) per claim + complete and the
 ratio batched / unbatched.
+
+``--concurrency N`` runs N such request loops at once instead: what pipelining is for
+(the pairs per second of each variant are printed too).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import statistics
@@ -27,7 +31,15 @@ RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id
 LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
 
 
-async def _round(store: RedisStore, n: int) -> list[float]:
+async def _round(store: RedisStore, n: int, concurrency: int = 1) -> tuple[list[float], float]:
+    """Latencies of ``n`` claim + complete pairs over ``concurrency`` loops, and the wall time."""
+    started = time.perf_counter()
+    loops = [_loop(store, n // concurrency) for _ in range(concurrency)]
+    times = [t for loop in await asyncio.gather(*loops) for t in loop]
+    return times, time.perf_counter() - started
+
+
+async def _loop(store: RedisStore, n: int) -> list[float]:
     times = []
     for _ in range(n):
         key, token = uuid.uuid4().hex * 2, uuid.uuid4().hex
@@ -41,21 +53,26 @@ async def _round(store: RedisStore, n: int) -> list[float]:
     return times
 
 
-async def _main(url: str, rounds: int, n: int) -> None:
+async def _main(url: str, rounds: int, n: int, concurrency: int) -> None:
     stores = {"batched": RedisStore(url), "unbatched": RedisStore(url, batching=False)}
     samples: dict[str, list[float]] = {name: [] for name in stores}
+    wall: dict[str, float] = {name: 0.0 for name in stores}
     try:
         for store in stores.values():
-            await _round(store, 200)  # connect, load the scripts, warm the paths
+            await _round(store, 200, concurrency)  # connect, load the scripts, warm up
         for _ in range(rounds):
             for name, store in stores.items():
-                samples[name] += await _round(store, n)
+                times, took = await _round(store, n, concurrency)
+                samples[name] += times
+                wall[name] += took
     finally:
         for store in stores.values():
             await store.close()
     p50 = {name: statistics.median(values) for name, values in samples.items()}
     for name, value in p50.items():
-        print(f"{name:9} p50 {value * 1e6:7.1f} us per claim + complete ({len(samples[name])})")
+        rate = len(samples[name]) / wall[name]
+        print(f"{name:9} p50 {value * 1e6:7.1f} us per claim + complete, {rate:7.0f} pairs/s "
+              f"({len(samples[name])}, concurrency {concurrency})")  # fmt: skip
     print(f"ratio batched/unbatched p50: {p50['batched'] / p50['unbatched']:.3f}")
 
 
@@ -63,6 +80,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("-n", type=int, default=1000, help="requests per variant per round")
+    ap.add_argument("--concurrency", type=int, default=1, help="request loops at once")
     args = ap.parse_args()
     import uvloop
 
@@ -73,7 +91,7 @@ def main() -> None:
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="lone-redis-"))
             url = stack.enter_context(redis_server(Path(tmp)))
-        uvloop.run(_main(url, args.rounds, args.n))
+        uvloop.run(_main(url, args.rounds, args.n, args.concurrency))
 
 
 if __name__ == "__main__":
