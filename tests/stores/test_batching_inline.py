@@ -69,3 +69,27 @@ async def test_without_inline_every_request_goes_by_run() -> None:
 
     assert await Batcher(run, key=lambda r: r).submit(7) == 7
     assert seen == [[7]]
+
+
+async def test_a_cancelled_inline_request_still_lets_the_queue_go() -> None:
+    """Cancelling the request that runs inline cancels its own statement (as without
+    batching); the requests queued behind it are sent all the same."""
+    started = asyncio.Event()
+
+    async def alone(request: int) -> int:
+        started.set()
+        await asyncio.Event().wait()  # never answers
+        raise AssertionError
+
+    async def run(batch: list[int]) -> list[int]:
+        return [r * 10 for r in batch]
+
+    batcher: Batcher[int, int] = Batcher(run, key=lambda r: r, inline=alone)
+    first = asyncio.create_task(batcher.submit(1))
+    await started.wait()
+    rest = [asyncio.create_task(batcher.submit(n)) for n in (2, 3)]
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await asyncio.gather(*rest) == [20, 30]
+    with pytest.raises(asyncio.CancelledError):
+        await first
