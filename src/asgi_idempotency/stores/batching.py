@@ -25,7 +25,7 @@ Rules, each with a test in ``tests/stores/test_batching.py``:
   queued or in flight is sent by that callable in its own waiter's task (without the
   batcher's task, future and the loop pass its answer would take), so cancelling that
   waiter cancels its statement, exactly as without batching; what arrives meanwhile
-  queues and goes in the batcher's task as always.
+  queues and goes in the batcher's task as always (``tests/stores/test_batching_inline.py``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,15 @@ renew       token owns an in-progress row: move ``locked_until`` (and
             ``expires_at`` and the TTL, to at least ``locked_until``)
 ==========  ===============================================================
 
+Pipelining (``batching=True``, the default): while a command to a server (on a
+cluster, to a slot's primary) is in flight, the claims, completions, releases and
+renewals that arrive for it queue in that server's :class:`~.batching.Batcher` and
+leave as one pipeline of the same scripts (no ``MULTI``: each script is atomic on its
+own, and Redis runs them in the order sent). A request that finds its server idle is
+sent at once from its own task, as without batching. ``NOSCRIPT`` and, on a cluster,
+``MOVED``/``ASK``/``TRYAGAIN`` replies inside a pipeline are those commands not run,
+and are sent again (see :meth:`RedisStore._send`).
+
 Fields (``HGETALL idem:{…}`` in ``redis-cli``): ``h`` request hash, ``s`` status,
 ``t`` token, ``c``/``l``/``e`` created_at/locked_until/expires_at as integer
 microseconds since the epoch (exact in Lua's doubles until the year 2255), ``rs``
