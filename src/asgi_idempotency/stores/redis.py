@@ -407,8 +407,6 @@ class RedisStore:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
             raise ValueError("RedisStore needs a client with decode_responses=False")
-        # No transactions (a handler's writes cannot join a Lua script); stats and
-        # prune by SCAN over every primary.
         # WAIT counts the replicas that have one connection's writes: each write keeps
         # its own script + WAIT pipeline (_run_and_wait), so WAIT means what it meant.
         self.batching: bool = batching and not wait_replicas
@@ -416,6 +414,8 @@ class RedisStore:
         # One batcher per server (per primary, by node name, on a cluster): at most one
         # pipeline in flight to each, what arrives meanwhile queued for the next.
         self._batchers: dict[str, Batcher[_Op, Any]] = {}
+        # No transactions (a handler's writes cannot join a Lua script); stats and
+        # prune by SCAN over every primary.
         self.capabilities = Capabilities(transactions=False, batching=self.batching)
         self._prefix = f"{key_prefix}:{{"
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
