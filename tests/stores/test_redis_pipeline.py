@@ -82,13 +82,13 @@ async def test_claims_of_one_key_in_one_pipeline_run_once(rstore: RedisStore) ->
     """Twenty claims of one key in one pipeline: the scripts run in order, so the first
     claims and the others meet its claim (409); once it completed, a storm of the same
     request all replay, and another request is a 422."""
-    key = "a" * 64
+    key, other = _one_servers_keys(rstore, 2)  # one batcher for both
     await rstore.get(key)
     before = rstore.batch_stats
     # The first claim of another key finds the server idle and goes alone; the twenty
     # arrive while it is in flight, and leave together.
     alone, *outcomes = await asyncio.gather(
-        _claim(rstore, "9" * 64, "first"), *(_claim(rstore, key, f"t{i}") for i in range(20))
+        _claim(rstore, other, "first"), *(_claim(rstore, key, f"t{i}") for i in range(20))
     )
     assert alone is ClaimOutcome.CLAIMED
     assert rstore.batch_stats.largest >= 20  # they went together
@@ -127,8 +127,8 @@ async def test_a_cancelled_waiter_never_cancels_its_pipeline(rstore: RedisStore)
     """The pipeline runs in the batcher's task: a waiter that goes away loses only its
     answer. Its claim, which landed, is the lifecycle's ``orphaned`` callback's to release
     (the store adds no release path of its own)."""
-    await rstore.get("0" * 64)
-    keys = [f"{i + 1:064x}" for i in range(10)]
+    keys = _one_servers_keys(rstore, 10)
+    await rstore.get(keys[0])
     orphaned: list[NewClaim] = []
     now = datetime.now(UTC)
     tasks = [
@@ -146,10 +146,13 @@ async def test_a_cancelled_waiter_never_cancels_its_pipeline(rstore: RedisStore)
         )
         for i, k in enumerate(keys)
     ]
-    # Until the batcher has taken every claim into its pipeline (its own counter: there
-    # is no event to wait on).
-    while rstore.batch_stats.operations < 10:  # noqa: ASYNC110
-        await asyncio.sleep(0)
+    # The first goes alone and the nine queue behind it. As it returns it starts the
+    # batcher's task, which takes the nine into one pipeline before this test resumes
+    # (the loop runs ready callbacks in order); the pipeline's replies can only be read
+    # in a later pass, so the waiter cancelled now is one whose pipeline is in flight.
+    await tasks[0]
+    assert rstore.batch_stats.operations == 10
+    assert not tasks[3].done()
     tasks[3].cancel()
     rest = await asyncio.gather(*tasks, return_exceptions=True)
     assert isinstance(rest[3], asyncio.CancelledError)
@@ -182,6 +185,17 @@ async def test_max_batch_bounds_a_pipeline(redis_url: str) -> None:
         await store.close()
     with pytest.raises(ValueError, match="max_batch"):
         RedisStore(redis_url, max_batch=0)
+
+
+def _one_servers_keys(store: RedisStore, count: int) -> list[str]:
+    """``count`` keys whose records live on one server (one primary, on a cluster), so
+    that their operations share one batcher."""
+    keys = [f"{i + 1:064x}" for i in range(count)]
+    if isinstance(store.client, RedisCluster):
+        node = store.client.get_node_from_key(f"idem:{{{keys[0]}}}")
+        assert node is not None
+        keys = _keys_on(store, int(node.port), count)
+    return keys
 
 
 def _keys_in_slot(slot: int, count: int) -> list[str]:
