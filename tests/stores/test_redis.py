@@ -58,8 +58,9 @@ def _commandstats(ports: list[int]) -> dict[str, int]:
 def _command_counter(store: RedisStore) -> Callable[[], list[Any]]:
     """``reset()`` for ``_drive``: what was sent and run since the last call.
 
-    Counted twice: each command the client sent (``execute_command``; nothing is
-    pipelined on the hot path, so one command is one round trip), and the scripts the
+    Counted twice: each command the client sent (``execute_command``; ``_drive`` sends
+    one request at a time, and a request that finds its server idle goes alone, not in
+    a pipeline, so one command is one round trip), and the scripts the
     servers ran by their own count (``INFO commandstats``, whose script-internal
     commands are left out: they cost no round trip).
     """
