@@ -34,7 +34,7 @@ same process, never rendered as HTTP problems, and an app's handler for
 request that made it.
 
 Stores map their driver's exceptions to :class:`StoreError` at one boundary per
-driver (``stores/sqlerrors.py``, the Redis store's ``_call``), so nothing above
+driver (``stores/sqlerrors.py``, the Redis store's ``REDIS_ERRORS``), so nothing above
 ``stores/`` ever catches a driver type, and what is not the driver's (a bug of ours)
 stays what it is: a logged 500, never a 503. The client half
 (``asgi_idempotency.client``) has errors of its own and imports nothing from here.

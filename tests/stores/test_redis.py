@@ -18,13 +18,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 import redis.asyncio as aioredis
+from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.stores.base import NewClaim, RecordStatus, Store
-from asgi_idempotency.stores.redis import RedisStore
+from asgi_idempotency.stores.base import Capabilities, NewClaim, RecordStatus, Store, capabilities
+from asgi_idempotency.stores.redis import REDIS_ERRORS, RedisStore
 from tests.redis_servers import RedisCluster as OurCluster
 from tests.redis_servers import RedisServer, redis_cli, start_cluster, start_server
 from tests.stores.test_round_trips import _drive
@@ -56,8 +58,9 @@ def _commandstats(ports: list[int]) -> dict[str, int]:
 def _command_counter(store: RedisStore) -> Callable[[], list[Any]]:
     """``reset()`` for ``_drive``: what was sent and run since the last call.
 
-    Counted twice: each command the client sent (``execute_command``; nothing is
-    pipelined on the hot path, so one command is one round trip), and the scripts the
+    Counted twice: each command the client sent (``execute_command``; ``_drive`` sends
+    one request at a time, and a request that finds its server idle goes alone, not in
+    a pipeline, so one command is one round trip), and the scripts the
     servers ran by their own count (``INFO commandstats``, whose script-internal
     commands are left out: they cost no round trip).
     """
@@ -607,3 +610,102 @@ async def test_a_stale_owner_is_fenced_on_the_cluster_too(rstore: RedisStore) ->
     assert not await rstore.renew("c" * 64, "old", locked_until=later + 10 * lease)
     assert not await rstore.release("c" * 64, "old")
     assert await rstore.complete("c" * 64, "new", RESPONSE, expires_at=later + ttl)
+
+
+# One error boundary (issue 25): the driver's failures are StoreError (503), the rest
+# is a bug and stays itself (a logged 500).
+
+
+def test_the_boundary_maps_driver_failures_and_nothing_else() -> None:
+    with pytest.raises(StoreError, match="ConnectionError"), REDIS_ERRORS:
+        raise rexc.ConnectionError("Connection refused")
+    with pytest.raises(StoreError), REDIS_ERRORS:
+        raise rexc.ClusterDownError("CLUSTERDOWN The cluster is down")
+    with pytest.raises(StoreError), REDIS_ERRORS:
+        raise TimeoutError  # the store's own deadline
+    with pytest.raises(KeyError), REDIS_ERRORS:
+        raise KeyError("a bug of ours")
+
+
+async def test_a_killed_server_is_a_store_error(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "killed")
+    store = RedisStore(server.url, command_timeout=1)
+    try:
+        assert await store.insert(NewClaim("a" * 64, "h", "t", *_claim_times())) is None
+        server.kill()
+        with pytest.raises(StoreError, match="ConnectionError"):
+            await store.insert(NewClaim("b" * 64, "h", "t", *_claim_times()))
+        with pytest.raises(StoreError):
+            await store.get("a" * 64)
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_record_we_cannot_decode_is_a_bug_not_an_outage(rstore: RedisStore) -> None:
+    """A record of a shape the store never writes (written here behind its back) makes
+    the claim's reply undecodable: that is an error of ours to see in the log, not a 503."""
+    key = "e" * 64
+    await rstore.client.hset(
+        f"idem:{{{key}}}", mapping={"h": "h", "s": "no-such-status", "t": "other", "c": "1",
+                                    "l": "2", "e": "3"},
+    )  # fmt: skip
+    # KeyError as itself; through a batched pipeline, the batcher's RuntimeError of it.
+    with pytest.raises((KeyError, RuntimeError), match="no-such-status") as raised:
+        await rstore.insert(NewClaim(key, "h", "t", *_claim_times()))
+    assert not isinstance(raised.value, StoreError), raised.value
+
+
+async def test_a_client_of_the_wrong_kind_is_a_bug_not_an_outage(redis_url: str) -> None:
+    """A synchronous client answers at once and its reply cannot be awaited: a TypeError
+    of the caller's wiring, which used to pass for Redis being down (503)."""
+    client = redis.Redis.from_url(redis_url)
+    store = RedisStore(client)  # type: ignore[arg-type]  # the mistake under test
+    try:
+        # Through the pipeline's batcher: its RuntimeError of the TypeError, never a 503.
+        with pytest.raises((TypeError, RuntimeError), match="can't be used in 'await'") as raised:
+            await store.insert(NewClaim("f" * 64, "h", "t", *_claim_times()))
+        assert not isinstance(raised.value, StoreError)
+    finally:
+        client.close()
+
+
+async def test_capabilities_are_declared(redis_url: str) -> None:
+    store = RedisStore(redis_url)
+    try:
+        assert capabilities(store) is store.capabilities
+        assert store.capabilities == Capabilities(
+            transactions=False, batching=True, stats=True, prune=True
+        )
+    finally:
+        await store.close()
+    assert not capabilities(RedisStore(redis_url, batching=False)).batching
+    # Each write keeps its own script + WAIT pipeline.
+    assert not capabilities(RedisStore(redis_url, wait_replicas=1, wait_timeout=0.5)).batching
+
+
+async def test_the_row_in_a_claims_way_comes_back_byte_for_byte(rstore: RedisStore) -> None:
+    """The insert script packs the row in its way into one reply (lengths, then the
+    values back to back): bodies and headers holding spaces, newlines and any byte,
+    and tokens of any text, come back exactly."""
+    now, locked, expires = _claim_times()
+    key, token = "9" * 64, "a token\nwith a newline"
+    response = StoredResponse(
+        200, ((b"x-note", b"two words\t"), (b"content-type", b"text/plain")), b"a\nb c\x00\xff\n"
+    )
+    assert await rstore.insert(NewClaim(key, "h é 1", token, now, locked, expires)) is None
+    running = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
+    assert running is not None
+    assert (running.request_hash, running.token, running.response) == ("h é 1", token, None)
+    assert (running.created_at, running.locked_until, running.expires_at) == (now, locked, expires)
+    assert await rstore.complete(key, token, response, expires_at=expires)
+    done = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
+    assert done is not None
+    assert (done.status, done.response) == (RecordStatus.COMPLETED, response)
+    empty = StoredResponse(204, (), b"")
+    assert await rstore.insert(NewClaim("8" * 64, "h", "t", now, locked, expires)) is None
+    assert await rstore.complete("8" * 64, "t", empty, expires_at=expires)
+    again = await rstore.insert(NewClaim("8" * 64, "h", "u", now, locked, expires))
+    assert again is not None
+    assert again.response == empty
+    assert again == await rstore.get("8" * 64)

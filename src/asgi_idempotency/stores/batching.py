@@ -21,6 +21,11 @@ Rules, each with a test in ``tests/stores/test_batching.py``:
   batcher's task; a cancelled waiter's answer is dropped (and handed to ``orphan``, so
   that a claim inserted for a request that is gone can be released at once rather than
   wait for its lease). A waiter cancelled before its batch was sent is never sent.
+  The one exception is opt-in, ``inline=``: a request that arrives while nothing is
+  queued or in flight is sent by that callable in its own waiter's task (without the
+  batcher's task, future and the loop pass its answer would take), so cancelling that
+  waiter cancels its statement, exactly as without batching; what arrives meanwhile
+  queues and goes in the batcher's task as always (``tests/stores/test_batching_inline.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class Batcher(Generic[Req, Res]):
             goes, alone (default 8 MiB).
         orphan: called with a request and its answer when its waiter was cancelled
             while the statement ran (it must not raise).
+        inline: sends one request alone, in the caller's task, when it finds the
+            batcher idle (default ``None``: every request goes by ``run``, in the
+            batcher's task; see the module docstring). Raises as ``run`` does.
     """
 
     def __init__(
@@ -83,6 +91,7 @@ class Batcher(Generic[Req, Res]):
         size: Callable[[Req], int] | None = None,
         max_bytes: int = 8 << 20,
         orphan: Callable[[Req, Res], None] | None = None,
+        inline: Callable[[Req], Awaitable[Res]] | None = None,
     ) -> None:
         if max_size < 1:
             raise ValueError("max_size must be at least 1")
@@ -93,6 +102,8 @@ class Batcher(Generic[Req, Res]):
         self._size = size
         self._max_bytes = max_bytes
         self._orphan = orphan
+        self._inline = inline
+        self._inline_busy = False  # a request runs inline now: what arrives queues
         self._queue: deque[_Entry[Req, Res]] = deque()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -106,10 +117,31 @@ class Batcher(Generic[Req, Res]):
         """
         if self._closed:
             raise StoreError("the store is closed")
+        inline = self._inline
+        if inline is not None and not self._inline_busy and self._task is None:
+            # Alone, in the caller's task (here, not in a coroutine of its own: this is
+            # every lone request's path); arrivals meanwhile queue behind it.
+            self._inline_busy = True
+            stats = self.stats
+            stats.statements += 1
+            stats.operations += 1
+            if not stats.largest:
+                stats.largest = 1
+            try:
+                return await inline(request)
+            except StoreError:
+                raise
+            except Exception as exc:
+                # As in _drain: a bug is a logged 500, never a StoreError.
+                raise RuntimeError(f"batched statement failed: {exc!r}") from exc
+            finally:
+                self._inline_busy = False
+                if self._queue and self._task is None:
+                    self._task = asyncio.get_running_loop().create_task(self._drain())
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Res] = loop.create_future()
         self._queue.append((request, future))
-        if self._task is None:
+        if self._task is None and not self._inline_busy:
             self._task = loop.create_task(self._drain())
         # Cancelling the waiter cancels only this future; the statement goes on.
         return await future

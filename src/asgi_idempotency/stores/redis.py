@@ -17,6 +17,15 @@ renew       token owns an in-progress row: move ``locked_until`` (and
             ``expires_at`` and the TTL, to at least ``locked_until``)
 ==========  ===============================================================
 
+Pipelining (``batching=True``, the default): while a command to a server (on a
+cluster, to a slot's primary) is in flight, the claims, completions, releases and
+renewals that arrive for it queue in that server's :class:`~.batching.Batcher` and
+leave as one pipeline of the same scripts (no ``MULTI``: each script is atomic on its
+own, and Redis runs them in the order sent). A request that finds its server idle is
+sent at once from its own task, as without batching. ``NOSCRIPT`` and, on a cluster,
+``MOVED``/``ASK``/``TRYAGAIN`` replies inside a pipeline are those commands not run,
+and are sent again (see :meth:`RedisStore._send`).
+
 Fields (``HGETALL idem:{…}`` in ``redis-cli``): ``h`` request hash, ``s`` status,
 ``t`` token, ``c``/``l``/``e`` created_at/locked_until/expires_at as integer
 microseconds since the epoch (exact in Lua's doubles until the year 2255), ``rs``
@@ -34,8 +43,10 @@ passed but whose TTL has not behaves as new all the same (the lifecycle reads
 ``expires_at``); :meth:`RedisStore.prune` deletes such records for tools and tests.
 
 Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
-``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` in one place,
-:func:`translate`, so the middleware's 503 fail-closed path applies unchanged.
+``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` at one boundary,
+:data:`REDIS_ERRORS` (the SQL stores' :class:`~.sqlerrors.ErrorBoundary`), so the
+middleware's 503 fail-closed path applies unchanged; anything else (a bug of ours, a
+record we cannot decode) propagates as itself, a logged 500, never passing for an outage.
 
 redis-py's connections belong to the event loop that opened them: on another loop
 the store builds a new client (from its URL) and closes the old one on its own loop
@@ -56,9 +67,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import StoreError
 from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
-from .base import STATUS_OF, Bucket, NewClaim, Record, RecordStatus, StoredResponse
+from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
+from .batching import Batcher, BatchStats
 from .codec import decode_headers, encode_headers
 from .loops import LoopTenure
+from .sqlerrors import ErrorBoundary
 
 try:
     import redis.asyncio as aioredis
@@ -70,7 +83,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by test_public_api in a subprocess
     raise ImportError("RedisStore needs redis-py: pip install 'asgi-idempotency[redis]'") from exc
 
-__all__ = ["DRIVER_ERRORS", "RedisStore", "translate"]
+__all__ = ["DRIVER_ERRORS", "REDIS_ERRORS", "RedisStore", "translate"]
 
 # Everything redis-py and the network raise for a failed command. RedisError covers
 # ConnectionError, TimeoutError and every ResponseError (READONLY, CLUSTERDOWN,
@@ -80,34 +93,44 @@ DRIVER_ERRORS: tuple[type[BaseException], ...] = (
     rexc.RedisError,
     rexc.RedisClusterException,
     OSError,
-    TimeoutError,
+    TimeoutError,  # also the store's own deadline (asyncio.timeout, command_timeout)
 )
+
+
+def _left_to_the_driver(exc: BaseException) -> bool:
+    # redis-py drops a connection that failed mid-command itself (on any exception,
+    # cancellation included): the store never has one to discard.
+    return False
+
+
+# The one place where redis-py's failures become StoreError: every call to the driver
+# (the hot path's scripts and pipelines, SCAN, the admin reads) is inside it.
+REDIS_ERRORS = ErrorBoundary(DRIVER_ERRORS, _left_to_the_driver)
 
 
 def translate(exc: BaseException) -> StoreError:
     """The store error for a redis-py exception (raise it ``from exc``)."""
-    return StoreError.wrap(exc)
+    return REDIS_ERRORS.translate(exc)
 
 
 _T = TypeVar("_T")
 
 
 async def _call(op: Awaitable[_T], within: float | None = None) -> _T:
-    """Await a redis-py call, for at most ``within`` seconds; whatever it raises (a timeout
-    included) becomes :class:`StoreError`.
+    """Await a redis-py call, for at most ``within`` seconds; a driver failure (a
+    timeout included) becomes :class:`StoreError` (:data:`REDIS_ERRORS`).
 
-    Not only :data:`DRIVER_ERRORS`: ``op`` is the driver's code alone (no decoding of
-    ours runs inside it), and a driver that fails in an undocumented way (redis-py
-    8.1 raised ``AttributeError`` from a connection handshake under concurrent
-    connects) still could not answer, which is a 503, not a 500.
+    Anything else raised inside ``op`` is not the store being unavailable but a bug (a
+    client of the wrong kind, a reply we misread) and propagates unchanged: a 500 in
+    the log says what it is, where a 503 would send operators after an outage.
     """
+    # try/except with the boundary's tuple rather than ``with REDIS_ERRORS``: the same
+    # mapping, without two Python-level calls on every request's path.
     try:
         async with asyncio.timeout(within):
             return await op
-    except StoreError:
-        raise
-    except Exception as exc:
-        raise translate(exc) from exc
+    except REDIS_ERRORS.errors as exc:
+        raise REDIS_ERRORS.translate(exc) from exc
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -139,52 +162,63 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # lifecycle the same answer, a stored response is never overwritten, and a resent
 # completion whose first attempt landed answers 0.
 
-# A claim's four numbers travel as one argument, "created locked expires ttl_ms"
-# (_claim_args): each argument is a round of redis-py's encoding and packing, and Lua
-# splits the string for next to nothing.
-# KEYS[1] record; ARGV h, token, "created locked expires ttl_ms".
-# Returns 0 when written, else the row in the way as [meta, h, t, rh, rb], where meta
-# is "s c l e rs" in one string (fields that are ours and never hold a space; rs empty
-# while in progress): five bulk replies to parse instead of nine, which is most of a
-# replay's client-side cost in redis-py's pure-Python parser (see _claimed).
+# A claim travels as ONE argument, "created locked expires ttl_ms #h h token"
+# (_claim_args): each argument is a round of redis-py's encoding and packing (several
+# isinstance checks and a length header each), and Lua splits the string for next to
+# nothing. The request hash and the token are any text: the length of h says where it
+# ends, and the token is the rest.
+# KEYS[1] record; ARGV the claim.
+# Returns 0 when written, else the row in the way packed into ONE bulk string:
+#   "s c l e rs #h #t #rh\n" h t rh rb
+# a line of the fields that are ours and never hold a space (rs empty while in
+# progress) and the byte lengths of h, t and rh, then the four values back to back
+# (binary-safe: the lengths say where each ends, the body is the rest). Every bulk
+# reply is a few rounds of redis-py's pure-Python parser (a readline, a read, a
+# decode), so one reply instead of an array of five is most of what a replay costs on
+# our side of the socket, and _claimed takes it apart with one split and slices.
 _INSERT = """
-local c, l, e, ttl = string.match(ARGV[3], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
+local c, l, e, ttl, n, rest = string.match(ARGV[1], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
+n = tonumber(n)
+local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
-  if row[3] == ARGV[2] then return 0 end
-  return {row[2] .. ' ' .. row[4] .. ' ' .. row[5] .. ' ' .. row[6] .. ' ' .. (row[7] or ''),
-          row[1], row[3], row[8], row[9]}
+  if row[3] == t then return 0 end
+  local rh = row[8] or ''
+  return row[2] .. ' ' .. row[4] .. ' ' .. row[5] .. ' ' .. row[6] .. ' ' .. (row[7] or '')
+    .. ' ' .. #row[1] .. ' ' .. #row[3] .. ' ' .. #rh .. '\\n'
+    .. row[1] .. row[3] .. rh .. (row[9] or '')
 end
-redis.call('HSET', KEYS[1], 'h', ARGV[1], 's', 'in_progress', 't', ARGV[2],
-           'c', c, 'l', l, 'e', e)
+redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
 return 0
 """
 
-# KEYS[1]; ARGV old token, old status, old locked_until, h, token,
-# "created locked expires ttl_ms". Compare-and-swap on the row as read: 1 if swapped.
+# KEYS[1]; ARGV old token, old status, old locked_until, the claim (as _INSERT's).
+# Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = """
-local c, l, e, ttl = string.match(ARGV[6], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+)$')
+local c, l, e, ttl, n, rest = string.match(ARGV[4], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
+n = tonumber(n)
+local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
-if row[1] == ARGV[5] then return 1 end
+if row[1] == t then return 1 end
 if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'h', ARGV[4], 's', 'in_progress', 't', ARGV[5],
-           'c', c, 'l', l, 'e', e)
+redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
 return 1
 """
 
-# KEYS[1]; ARGV token, status, headers, body, expires. The TTL runs from the claim's
-# created_at (in the caller's clock, like expires_at), so it is never shorter than
-# the retention the caller asked for.
+# KEYS[1]; ARGV "status expires token" (one argument, as a claim's; the token is the
+# rest), headers, body. The TTL runs from the claim's created_at (in the caller's
+# clock, like expires_at), so it is never shorter than the retention the caller asked
+# for.
 _COMPLETE = """
+local rs, e, t = string.match(ARGV[1], '^(%d+) (%-?%d+) (.*)$')
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
-if row[1] ~= ARGV[1] then return 0 end
+if row[1] ~= t then return 0 end
 if row[2] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 's', 'completed', 'rs', ARGV[2], 'rh', ARGV[3], 'rb', ARGV[4],
-           'e', ARGV[5])
-local ttl = math.ceil((tonumber(ARGV[5]) - tonumber(row[3])) / 1000)
+redis.call('HSET', KEYS[1], 's', 'completed', 'rs', rs, 'rh', ARGV[2], 'rb', ARGV[3], 'e', e)
+local ttl = math.ceil((tonumber(e) - tonumber(row[3])) / 1000)
 if ttl < 1 then ttl = 1 end
 redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
 return 1
@@ -229,6 +263,8 @@ return 0
 """
 
 _SCAN_COUNT = 1000
+# Requests per pipeline, at most, by default (as SQLStore's MAX_BATCH).
+MAX_BATCH = 256
 _BATCH = 500
 
 # The timed-out claims the store still means to release (see RedisStore._orphaned): at
@@ -244,6 +280,26 @@ _ORPHAN_MISSES = 2
 logger = logging.getLogger("asgi_idempotency")
 
 _Client = aioredis.Redis | RedisCluster
+
+
+# One script call for a pipeline: (script, record key, arguments, payload bytes for the
+# batcher's max_bytes). A plain tuple: built on every request, where a NamedTuple's
+# __new__ is a Python call.
+_Op = tuple[AsyncScript, str, Sequence[Any], int]
+
+
+def _op_key(op: _Op) -> str:
+    return op[1]
+
+
+def _op_size(op: _Op) -> int:
+    return op[3]
+
+
+# Replies a cluster node gives for a command it did not run because the slot is not
+# (or not yet, or no longer) its own: each is sent again through the cluster client,
+# which follows the redirect.
+_REDIRECTED = (rexc.MovedError, rexc.AskError, rexc.TryAgainError)
 
 
 def _escape_glob(text: str) -> str:
@@ -284,6 +340,14 @@ class RedisStore:
             README's Redis and Redis Cluster section.
         wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
             less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
+        batching: pipeline the hot path (default ``True``): while a command to a server
+            (on a cluster, to a slot's primary) is in flight, the claims, completions,
+            releases and renewals that arrive for it queue, and leave together as one
+            pipeline of the same scripts, each request answered when the pipeline
+            returns. A request that arrives alone is sent at once. ``False``: one
+            command per request. Not with ``wait_replicas``: each write and its
+            ``WAIT`` stay one pipeline of their own.
+        max_batch: script calls per pipeline, at most (default 256).
 
     A claim (``insert`` or ``replace``) whose call timed out is withdrawn: it may still
     run on the server, and the store then releases it by its token in the background,
@@ -295,8 +359,8 @@ class RedisStore:
 
     Raises:
         ValueError: an unsupported URL scheme, a client that decodes responses, a
-            timeout that is not positive, or a ``wait_timeout`` not below
-            ``command_timeout`` with ``wait_replicas``.
+            timeout that is not positive, a ``wait_timeout`` not below
+            ``command_timeout`` with ``wait_replicas``, or a ``max_batch`` below 1.
     """
 
     def __init__(
@@ -307,7 +371,11 @@ class RedisStore:
         key_prefix: str = "idem",
         wait_replicas: int = 0,
         wait_timeout: float = 1.0,
+        batching: bool = True,
+        max_batch: int = MAX_BATCH,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
         if command_timeout is None or command_timeout <= 0:
             raise ValueError("command_timeout must be a positive number of seconds")
         if wait_replicas < 0:
@@ -339,6 +407,16 @@ class RedisStore:
             self.client, self._owns_client = url_or_client, False
         if self._encoder().decode_responses:
             raise ValueError("RedisStore needs a client with decode_responses=False")
+        # WAIT counts the replicas that have one connection's writes: each write keeps
+        # its own script + WAIT pipeline (_run_and_wait), so WAIT means what it meant.
+        self.batching: bool = batching and not wait_replicas
+        self._max_batch = max_batch
+        # One batcher per server (per primary, by node name, on a cluster): at most one
+        # pipeline in flight to each, what arrives meanwhile queued for the next.
+        self._batchers: dict[str, Batcher[_Op, Any]] = {}
+        # No transactions (a handler's writes cannot join a Lua script); stats and
+        # prune by SCAN over every primary.
+        self.capabilities = Capabilities(transactions=False, batching=self.batching)
         self._prefix = f"{key_prefix}:{{"
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas
@@ -385,6 +463,8 @@ class RedisStore:
             # The old loop's sweeper ends with its loop; its claims' leases are theirs.
             self._orphans, self._sweeper = {}, None
             self._cold = isinstance(self.client, RedisCluster)
+        # A batcher's task and futures belong to the loop it first ran on.
+        self._batchers = {}
         own = self.client if self._owns_client else None
         self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
         self._loop = self._tenure.loop
@@ -407,16 +487,126 @@ class RedisStore:
                 await _call(self.client.initialize(), self._timeout)
                 self._cold = False
 
-    async def _run(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
+    async def _run(self, script: AsyncScript, key: str, args: Sequence[Any], size: int = 0) -> Any:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         if self._cold:
             await self._warm()
         if self._wait:
             return await _call(self._run_and_wait(script, key, args), self._timeout)
-        return await _call(self._evalsha(script, self._key(key), args), self._timeout)
+        rkey = self._key(key)
+        if not self.batching:
+            return await _call(self._evalsha(script, rkey, args), self._timeout)
+        # The deadline covers the wait in the queue too, so a request is answered within
+        # command_timeout as without batching; a waiter that gives up is dropped from
+        # the queue, or, if its pipeline was sent, its reply is (see _orphaned).
+        op = (script, rkey, args, size)
+        reply = await _call(self._batcher(rkey).submit(op), self._timeout)
+        if isinstance(reply, Exception):  # this command's own error reply in the pipeline
+            raise translate(reply) from reply
+        return reply
 
-    async def _evalsha(self, script: AsyncScript, rkey: str, args: Sequence[Any]) -> Any:
+    def _batcher(self, rkey: str) -> Batcher[_Op, Any]:
+        """The batcher of ``rkey``'s server: the one server's, or its slot's primary's."""
+        client = self.client
+        name = ""
+        if isinstance(client, RedisCluster):
+            # No node for the slot (a map mid-change): such a batch goes by the cluster
+            # client, command by command (_send).
+            node = client.get_node_from_key(rkey)
+            name = "?" if node is None else node.name
+        batcher = self._batchers.get(name)
+        if batcher is None:
+            batcher = self._batchers[name] = Batcher(
+                functools.partial(self._pipeline, name),
+                key=_op_key,
+                # Redis runs a pipeline's scripts one after another, each atomic, in the
+                # order sent (arrival order): a second operation on a key in the same
+                # pipeline sees what the first did, as in a command of its own just after.
+                distinct=False,
+                max_size=self._max_batch,
+                size=_op_size,
+                # A request that finds the server idle is sent from its own task, as
+                # without batching: no task, future and loop pass of the batcher's, so
+                # a lone request costs what it did. Cancelling it is then what it was
+                # without batching (a claim's is the lifecycle's orphaned callback's).
+                inline=self._alone,
+            )
+        return batcher
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """Pipelines sent and script calls they carried, over every server (this loop's)."""
+        total = BatchStats()
+        for batcher in self._batchers.values():
+            total.statements += batcher.stats.statements
+            total.operations += batcher.stats.operations
+            total.largest = max(total.largest, batcher.stats.largest)
+        return total
+
+    def _alone(self, op: _Op) -> Awaitable[Any]:
+        # Within the caller's own deadline (_run); no loop pass before the send: the
+        # request found nothing to wait for.
+        return self._evalsha(op[0], op[1], op[2], pause=False)
+
+    async def _pipeline(self, node: str, batch: list[_Op]) -> list[Any]:
+        """Send ``batch`` to its server: alone, as the one command; else one pipeline.
+
+        Returns each command's reply, or the error reply it got (a ``ResponseError``),
+        for its waiter to raise. Raises :class:`StoreError` when the pipeline as a whole
+        failed (unreachable, timed out): every request in it then fails.
+        """
+        if len(batch) == 1:
+            # Alone: what an unbatched request sends, through the client that follows
+            # redirects; no loop pass first (the batcher's task was one).
+            script, rkey, args, _ = batch[0]
+            return [await _call(self._evalsha(script, rkey, args, pause=False), self._timeout)]
+        client = self.client
+        target: aioredis.Redis | None
+        if isinstance(client, RedisCluster):
+            # A plain pipeline on the primary's own connection: the batch is one node's
+            # by construction, and a redirected command is re-sent on its own below.
+            found = client.get_node(node_name=node)
+            target = None if found is None else self._node_client(found)
+        else:
+            target = client
+        return await _call(self._send(target, batch), self._timeout)
+
+    async def _send(self, target: aioredis.Redis | None, batch: list[_Op]) -> list[Any]:
+        cluster = self.client if isinstance(self.client, RedisCluster) else None
+        if target is None:  # the node left the map since the batch was queued
+            replies: list[Any] = [rexc.MovedError("0 node-left:0")] * len(batch)
+        else:
+            try:
+                replies = await _pipe(target, batch)
+                lost = [i for i, r in enumerate(replies) if isinstance(r, rexc.NoScriptError)]
+                if lost:
+                    # A flushed or restarted server: load what it lost, send those again
+                    # (they did not run).
+                    for script in {id(batch[i][0]): batch[i][0] for i in lost}.values():
+                        script.sha = await target.script_load(script.script)
+                    again = await _pipe(target, [batch[i] for i in lost])
+                    for i, reply in zip(lost, again, strict=True):
+                        replies[i] = reply
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+                if cluster is not None:
+                    await self._refresh_slots(cluster)  # a dead or demoted node
+                raise
+        if cluster is not None:
+            moved = [i for i, reply in enumerate(replies) if isinstance(reply, _REDIRECTED)]
+            if moved:
+                await self._refresh_slots(cluster, wait=True)
+                for i in moved:  # in the order sent, so one key's operations stay in order
+                    script, rkey, args, _ = batch[i]
+                    try:
+                        replies[i] = await self._evalsha(script, rkey, args, pause=False)
+                    except StoreError as exc:
+                        replies[i] = exc.__cause__ or exc
+        return replies
+
+    async def _evalsha(
+        self, script: AsyncScript, rkey: str, args: Sequence[Any], *, pause: bool = True
+    ) -> Any:
         # What AsyncScript.__call__ does, without its three layers of calls (evalsha,
         # _evalsha), tuple copies and per-call import: EVALSHA, and on NOSCRIPT (a
         # flushed or restarted server) SCRIPT LOAD and once more.
@@ -428,12 +618,18 @@ class RedisStore:
         # over HTTP at 32 connections fresh keys went from 0.75-0.78x to 0.96-1.02x of
         # redis-py's defaults, replays from 0.81-0.87x to 0.86-0.91x. Cancelled here,
         # nothing has been sent.
-        await asyncio.sleep(0)
+        if pause:
+            await asyncio.sleep(0)
         try:
-            return await execute("EVALSHA", script.sha, 1, rkey, *args)
-        except rexc.NoScriptError:
-            script.sha = await self.client.script_load(script.script)
-            return await execute("EVALSHA", script.sha, 1, rkey, *args)
+            try:
+                return await execute("EVALSHA", script.sha, 1, rkey, *args)
+            except rexc.NoScriptError:
+                script.sha = await self.client.script_load(script.script)
+                return await execute("EVALSHA", script.sha, 1, rkey, *args)
+        except REDIS_ERRORS.errors as exc:
+            # Here as well as in _call: a lone batched request is sent from here with no
+            # _call of its own around it (its caller's deadline is the bound).
+            raise REDIS_ERRORS.translate(exc) from exc
 
     async def _run_and_wait(self, script: AsyncScript, key: str, args: Sequence[Any]) -> Any:
         # WAIT counts the replicas that have *this connection's* writes, so it must go on
@@ -534,7 +730,11 @@ class RedisStore:
         created, expires = _us(new.now), _us(new.expires_at)
         # The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it).
         ttl = max(1, -(-(expires - created) // 1000))
-        return [new.request_hash, new.token, f"{created} {_us(new.locked_until)} {expires} {ttl}"]
+        h = new.request_hash
+        # len(h) in characters is its length in bytes only for ASCII (our hashes are hex
+        # digests); anything else is measured as the bytes Lua will count.
+        n = len(h) if h.isascii() else len(h.encode())
+        return [f"{created} {_us(new.locked_until)} {expires} {ttl} {n} {h}{new.token}"]
 
     async def insert(self, new: NewClaim) -> Record | None:
         try:
@@ -555,9 +755,10 @@ class RedisStore:
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
     ) -> bool:
-        args = [token, response.status, encode_headers(response.headers), response.body,
-                _us(expires_at)]  # fmt: skip
-        return bool(await self._run(self._complete, key, args))
+        headers = encode_headers(response.headers)
+        args = [f"{response.status} {_us(expires_at)} {token}", headers, response.body]
+        size = len(headers) + len(response.body)
+        return bool(await self._run(self._complete, key, args, size))
 
     async def release(self, key: str, token: str) -> bool:
         return bool(await self._run(self._release, key, [token]))
@@ -638,13 +839,12 @@ class RedisStore:
             await self._warm()
         names = aiter(self.client.scan_iter(match=match, count=_SCAN_COUNT))
         while True:
-            try:  # as in _call, each step: the iteration is the driver's alone
-                async with asyncio.timeout(self._timeout):
-                    name = await anext(names)
+            try:  # each step within the deadline and the boundary, as in _call
+                with REDIS_ERRORS:
+                    async with asyncio.timeout(self._timeout):
+                        name = await anext(names)
             except StopAsyncIteration:
                 return
-            except Exception as exc:
-                raise translate(exc) from exc
             yield name
 
     async def _batches(self, match: str) -> AsyncIterator[list[bytes]]:
@@ -735,6 +935,10 @@ class RedisStore:
         return deleted
 
     async def close(self) -> None:
+        batchers, self._batchers = list(self._batchers.values()), {}
+        if self._loop is asyncio.get_running_loop():
+            for batcher in batchers:  # answer what is queued and in flight first
+                await batcher.close()
         sweeper, self._sweeper = self._sweeper, None
         if sweeper is not None and not sweeper.done():
             # Closing drops the releases still pending: those keys keep their claim
@@ -750,6 +954,16 @@ class RedisStore:
         elif tenure.loop is asyncio.get_running_loop():
             await tenure.end()
         # Else the connections are another loop's, closed as that loop shuts down.
+
+
+async def _pipe(target: aioredis.Redis, batch: Sequence[_Op]) -> list[Any]:
+    """One pipeline (no MULTI) of ``batch``'s script calls; a command's error reply is
+    its entry in the result rather than raised, so it fails that request alone."""
+    pipe = target.pipeline(transaction=False)
+    for op in batch:
+        pipe.execute_command("EVALSHA", op[0].sha, 1, op[1], *op[2])
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
 
 
 def _log_orphan(level: int, event: str, key: str, hint: str) -> None:
@@ -777,11 +991,23 @@ def _record(key: str, row: Sequence[Any]) -> Record:
     )
 
 
-def _claimed(key: str, row: Sequence[Any]) -> Record:
-    """The row in an insert's way, from ``_INSERT``'s ``[meta, h, t, rh, rb]``."""
-    meta, h, t, rh, rb = row
-    s, c, lu, e, rs = meta.split(b" ")
-    return _record(key, (h, s, t, c, lu, e, rs or None, rh, rb))
+# A row's status field to its member, from the bytes Redis returns (no decode).
+_STATUS_OF_BYTES = {status.value.encode(): status for status in RecordStatus}
+
+
+def _claimed(key: str, packed: bytes) -> Record:
+    """The row in an insert's way, from ``_INSERT``'s one packed string."""
+    line = packed.index(b"\n")
+    s, c, lu, e, rs, nh, nt, nrh = packed[:line].split(b" ")
+    h_end = line + 1 + int(nh)
+    t_end = h_end + int(nt)
+    response = None
+    if rs:
+        rh_end = t_end + int(nrh)
+        headers = decode_headers(packed[t_end:rh_end])
+        response = StoredResponse(int(rs), headers, packed[rh_end:])
+    h, t = packed[line + 1 : h_end].decode(), packed[h_end:t_end].decode()
+    return Record(key, h, _STATUS_OF_BYTES[s], t, _time(c), _time(lu), _time(e), response)
 
 
 def _make_client(url: str, command_timeout: float) -> _Client:
