@@ -110,8 +110,7 @@ class PostgresDriver:
     async def _checkout(self) -> PoolProxiedConnection:
         while self._idle:
             idle = self._idle.pop()
-            driver: asyncpg.Connection = idle.driver_connection  # type: ignore[assignment]  # None only once closed
-            if not driver.is_closed():
+            if not self._gone(idle):
                 return idle
             # The server closed it while it was idle (idle_session_timeout, a restart,
             # pg_terminate_backend, a pooler): asyncpg has read its end, so it would only
@@ -146,6 +145,11 @@ class PostgresDriver:
         finally:
             timer.cancel()
         return fairy if fairy is not None else await self._open()
+
+    def _gone(self, fairy: PoolProxiedConnection) -> bool:
+        """Whether the driver knows the connection closed (it read the server's end)."""
+        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+        return driver.is_closed()
 
     def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
         while self._waiters:
