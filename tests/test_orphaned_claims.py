@@ -9,7 +9,7 @@ hand such a claim to :func:`lifecycle.release_orphan`; the next attempt runs.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -23,7 +23,7 @@ from asgi_idempotency import IdempotencyMiddleware, Once
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.once import record_key
 from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.base import NewClaim, Record, Store
+from asgi_idempotency.stores.base import Busy, NewClaim, Record, Store
 
 pytestmark = pytest.mark.anyio
 
@@ -40,7 +40,7 @@ class LandsThenHangs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def insert(self, new: NewClaim) -> Record | None:
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         got = await self.inner.insert(new)
         if not self.landed.is_set():
             self.landed.set()
