@@ -235,6 +235,9 @@ async def batched(pg_url: str) -> AsyncIterator[SQLStore]:
     # These tests hold a batch in flight with a row lock (holding): a batch waits for it
     # rather than ask its requests again alone (test_batching_safety.py tests that).
     driver(store).lock_wait = store._command_timeout
+    # They are about batches: a request alone goes through the batcher too, rather than
+    # run its statement in its own task.
+    driver(store).alone_inline = False
     await truncate(store)
     try:
         yield store
@@ -539,6 +542,7 @@ async def test_the_batch_size_bound_is_respected(pg_url: str) -> None:
     store._driver = BatchingPostgresDriver(
         store.engine, limit=5, timeout=5.0, max_batch=4, lock_wait=5.0
     )
+    driver(store).alone_inline = False
     try:
         async with holding(store, k("held")):
             blocked = asyncio.ensure_future(claim(store, k("held")))

@@ -114,6 +114,11 @@ class Batcher(Generic[Req, Res]):
         # Cancelling the waiter cancels only this future; the statement goes on.
         return await future
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, nothing in flight: a request submitted now would go alone."""
+        return self._task is None and not self._queue
+
     async def close(self) -> None:
         """Refuse new requests; wait for what is queued and in flight to be answered."""
         self._closed = True

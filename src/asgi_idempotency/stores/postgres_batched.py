@@ -13,7 +13,10 @@ rare, and it must compare each row as its caller read it.
 
 A batch of one request runs the one-row statement (:data:`~.statements.PG_LONE`: that
 of :data:`~.statements.PG` with the lock wait below), so a request that arrives alone
-costs what it costs without batching. This is not only tidiness: Postgres keeps
+costs what it costs without batching; a completion, release or renewal that finds its
+kind idle runs it in its own task, sparing the two loop passes of the hop to the
+batcher's task and back (a claim does not: its statement must outlive its waiter's
+cancellation, see the last point below). This is not only tidiness: Postgres keeps
 planning an ``unnest`` statement afresh for each execution (a custom plan) where the
 one-row statement runs its cached generic plan; in a batch that planning is shared by
 every request in it.
@@ -145,6 +148,13 @@ class BatchingPostgresDriver:
     ) -> None:
         self.inner = PostgresDriver(engine, limit=limit, timeout=timeout)
         self.lock_wait = lock_wait
+        # A completion, release or renewal that finds its kind idle runs its statement
+        # in its own task (see rowcount); False sends every request through the
+        # batcher (tests of batches).
+        self.alone_inline = True
+        # Kinds whose lone request runs its statement in its own task right now: who
+        # arrives meanwhile goes to the batcher.
+        self._inline: set[str] = set()
         # Claims in a statement now, by (key, token): a release of one of them (an
         # orphaned claim's, lifecycle.release_orphan) waits until its statement ended.
         self._landing: dict[tuple[str, str], asyncio.Future[None]] = {}
@@ -163,6 +173,16 @@ class BatchingPostgresDriver:
         }
 
     @property
+    def lock_wait(self) -> float:
+        """Seconds a statement sent for a batch waits for a row lock."""
+        return self._lock_wait
+
+    @lock_wait.setter
+    def lock_wait(self, seconds: float) -> None:
+        self._lock_wait = seconds
+        self._lock_timeout = _lock_wait_ms(seconds)  # as the statements take it
+
+    @property
     def stats(self) -> dict[str, BatchStats]:
         """Statements sent and operations carried, per kind (``claim``, ``complete``...)."""
         return {"claim": self._claims.stats, **{n: b.stats for n, b in self._fenced.items()}}
@@ -170,6 +190,9 @@ class BatchingPostgresDriver:
     async def claim(self, values: dict[str, Any]) -> ClaimAnswer:
         """(inserted, the row in the way as ``RECORD_COLUMNS``, :data:`~.base.BUSY` if an
         open transaction holds it, or None if not visible)."""
+        # Claims always go through the batcher, even alone: a claim's statement must
+        # outlive its waiter's cancellation, so that the row it may insert is known to
+        # have landed (or not) before the lifecycle's release of it runs (_landing).
         answer = await self._claims.submit(values)
         if answer is _ALONE:
             answer = await self._claim_alone(values)
@@ -185,6 +208,20 @@ class BatchingPostgresDriver:
                 # The claim it releases is in a statement now: releasing before that
                 # ends would change nothing, and the claim would land after it.
                 await asyncio.wait((landing,))
+        if batcher.idle and name not in self._inline and self.alone_inline:
+            # Alone: nothing queued, nothing in flight. The one-row statement runs in
+            # this request's own task, as without batching, rather than hop to the
+            # batcher's task and back (two loop passes, paid one request at a time).
+            # Cancelled, it is cancelled as without batching: the statement is fenced
+            # by its token, and the responder runs a cancelled completion again. It
+            # waits for a held row without a lock wait: only this request waits; who
+            # arrives meanwhile goes to the batcher.
+            self._inline.add(name)
+            _sent_alone(batcher.stats)
+            try:
+                return await self._send(lambda c: _execute(c, PG[name], values))
+            finally:
+                self._inline.discard(name)
         answer = await batcher.submit(values)
         if answer is _ALONE:
             # Its row is held by an open transaction: this request waits for it alone,
@@ -222,12 +259,16 @@ class BatchingPostgresDriver:
     async def _claim_alone(self, values: dict[str, Any]) -> ClaimAnswer:
         """The one-row claim, waiting a moment at most for a row lock: :data:`_HELD` past it."""
         stmt = PG_LONE["claim"]
-        args = stmt.args({**values, "lock_timeout": _lock_wait_ms(self.lock_wait)})
-        row = await self._locked_out(lambda c: c.fetchrow(stmt.sql, *args))
-        if row is _ALONE:
-            # An open transaction holds the key's row: deciding it right now, by
-            # definition in progress (409), as a transactional claim answers BUSY.
-            return _HELD
+        values["lock_timeout"] = self._lock_timeout
+        args = stmt.args(values)
+        try:
+            row = await self._send(lambda c: c.fetchrow(stmt.sql, *args))
+        except StoreError as exc:
+            if isinstance(exc.__cause__, _LOCKED_OUT):
+                # An open transaction holds the key's row: deciding it right now, by
+                # definition in progress (409), as a transactional claim answers BUSY.
+                return _HELD
+            raise
         assert row is not None  # the LEFT JOIN always yields one row
         if row[1]:
             return _INSERTED
@@ -245,6 +286,15 @@ class BatchingPostgresDriver:
         each. A statement that a held row lock stopped answers every claim it carried
         :data:`_ALONE`: each asks again by itself, so that only the held key waits.
         """
+        if len(batch) == 1:  # alone: the one-row statement (see the module docstring)
+            values = batch[0]
+            registered = (values["key"], values["token"])
+            self._landing[registered] = landed = asyncio.get_running_loop().create_future()
+            try:
+                return [await self._claim_alone(values)]
+            finally:
+                del self._landing[registered]
+                landed.set_result(None)
         first: dict[str, dict[str, Any]] = {}
         for values in batch:
             first.setdefault(values["key"], values)
@@ -259,7 +309,7 @@ class BatchingPostgresDriver:
                 by_key[unique[0]["key"]] = await self._claim_alone(unique[0])
             else:
                 stmt = PG_BATCHED["claim"]
-                args = _arrays(stmt, unique, "claim", self.lock_wait)
+                args = _arrays(stmt, unique, "claim", self._lock_timeout)
                 rows = await self._locked_out(lambda c: c.fetch(stmt.sql, *args))
                 if rows is _ALONE:
                     return [_ALONE] * len(batch)
@@ -289,10 +339,11 @@ class BatchingPostgresDriver:
 
         async def run(batch: list[dict[str, Any]]) -> list[int | _Again]:
             if len(batch) == 1:
-                args = lone.args({**batch[0], "lock_timeout": _lock_wait_ms(self.lock_wait)})
+                batch[0]["lock_timeout"] = self._lock_timeout
+                args = lone.args(batch[0])
                 status = await self._locked_out(lambda c: c.execute(lone.sql, *args))
                 return [_ALONE if status is _ALONE else _count(status)]
-            args = _arrays(stmt, batch, name, self.lock_wait)
+            args = _arrays(stmt, batch, name, self._lock_timeout)
             rows = await self._locked_out(lambda c: c.fetch(stmt.sql, *args))
             if rows is _ALONE:
                 return [_ALONE] * len(batch)
@@ -308,7 +359,7 @@ class BatchingPostgresDriver:
         await self.inner.close()
 
 
-def _arrays(stmt: Compiled, batch: list[dict[str, Any]], name: str, lock_wait: float) -> Any:
+def _arrays(stmt: Compiled, batch: list[dict[str, Any]], name: str, lock_timeout: str) -> Any:
     """The batched statement's arguments: one array per field, then the lock wait."""
     alias = "v" if name == "claim" else "u"
     params: dict[str, Any] = {
@@ -317,12 +368,19 @@ def _arrays(stmt: Compiled, batch: list[dict[str, Any]], name: str, lock_wait: f
         ]
         for field in _FIELDS[name]
     }
-    params["lock_timeout"] = _lock_wait_ms(lock_wait)
+    params["lock_timeout"] = lock_timeout
     return stmt.args(params)
 
 
 async def _execute(conn: asyncpg.Connection, stmt: Compiled, values: dict[str, Any]) -> int:
     return _count(await conn.execute(stmt.sql, *stmt.args(values)))
+
+
+def _sent_alone(stats: BatchStats) -> None:
+    """Count a lone request's statement, sent in its own task, as a batch of one."""
+    stats.statements += 1
+    stats.operations += 1
+    stats.largest = max(stats.largest, 1)
 
 
 def _count(status: str) -> int:
