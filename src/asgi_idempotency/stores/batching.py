@@ -26,6 +26,7 @@ Rules, each with a test in ``tests/stores/test_batching.py``:
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -198,9 +199,10 @@ def _fail(
     batch: Sequence[_Entry[Req, Res]], exc: StoreError, *, cause: BaseException | None = None
 ) -> None:
     # Each waiter raises its own exception object: one shared instance would collect
-    # every waiter's traceback.
+    # every waiter's traceback. A copy keeps the failure's type and detail (a missing
+    # table stays SchemaMissing, whose fix is a migration, not a retry).
     for _request, future in batch:
         if not future.done():
-            error = StoreError(str(exc))
+            error = copy.copy(exc)
             error.__cause__ = cause if cause is not None else (exc.__cause__ or exc)
             future.set_exception(error)
