@@ -390,6 +390,10 @@ DIALECT = SQLDialect(
     configure_engine=leave_engine,
     create_schema=_create_schema,
     prune=prune_by_ctid,
+    # Batching by default: under load a statement's round trip and commit are shared,
+    # a request alone costs what it did, and what one request per statement never
+    # suffered stays so (postgres_batched.py, tests/stores/test_batching_safety.py).
+    batching=True,
     can_batch=True,
     transaction=open_transaction,
 )

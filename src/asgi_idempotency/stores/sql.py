@@ -84,7 +84,8 @@ class SQLStore:
             Postgres as one statement per kind (:mod:`.postgres_batched`, and the
             docs' Batching on Postgres section), on SQLite in one transaction of its
             connection thread. ``None`` (the default) takes the backend's default
-            (:attr:`.dialect.SQLDialect.batching`); the argument alone decides (the
+            (:attr:`.dialect.SQLDialect.batching`: on for Postgres and SQLite);
+            ``False`` sends one statement per request. The argument alone decides (the
             library reads no environment variable). Not available on MariaDB/MySQL yet
             (``True`` raises ``ValueError``).
         max_batch: at most this many operations in one batched statement or
