@@ -219,25 +219,31 @@ class BatchingPostgresDriver:
             self._inline.add(name)
             _sent_alone(batcher.stats)
             try:
-                return await self._send(lambda c: _execute(c, PG[name], values))
+                return await self._send(*_fenced_ops(name, PG[name], [values]))
             finally:
                 self._inline.discard(name)
         answer = await batcher.submit(values)
         if answer is _ALONE:
             # Its row is held by an open transaction: this request waits for it alone,
             # as it would without batching (up to the statement timeout).
-            answer = await self._send(lambda c: _execute(c, PG[name], values))
+            answer = await self._send(*_fenced_ops(name, PG[name], [values]))
         return answer
 
-    async def _send(self, op: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
-        """Run ``op`` on a hot-path connection; once more on another if that one broke.
+    async def _send(
+        self,
+        op: Callable[[asyncpg.Connection], Awaitable[T]],
+        again: Callable[[asyncpg.Connection], Awaitable[T]] | None = None,
+    ) -> T:
+        """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
+        if that one broke.
 
         A connection the server closed while it was idle is skipped at checkout, but
         one can break under a statement (closed a moment before, or cut on the way):
         then the statement's fate is unknown, and every statement here may run twice.
         Completions, releases and renewals are fenced by their claim's token (a second
-        run changes nothing a first that landed had not), and a claim that meets its
-        own row (its token) is answered as inserted (:func:`_own`).
+        run changes nothing a first that landed had not; a completion's second run
+        also asks which rows its first completed, :func:`_completing`), and a claim
+        that meets its own row (its token) is answered as inserted (:func:`_own`).
         """
         try:
             return await self.inner._run(op)
@@ -245,12 +251,16 @@ class BatchingPostgresDriver:
             cause = exc.__cause__
             if cause is None or not PG_ERRORS.breaks(cause):
                 raise
-        return await self.inner._run(op)
+        return await self.inner._run(op if again is None else again)
 
-    async def _locked_out(self, op: Callable[[asyncpg.Connection], Awaitable[T]]) -> T | _Again:
+    async def _locked_out(
+        self,
+        op: Callable[[asyncpg.Connection], Awaitable[T]],
+        again: Callable[[asyncpg.Connection], Awaitable[T]] | None = None,
+    ) -> T | _Again:
         """``op``'s answer, or :data:`_ALONE` if a row lock held past the lock wait stopped it."""
         try:
-            return await self._send(op)
+            return await self._send(op, again)
         except StoreError as exc:
             if isinstance(exc.__cause__, _LOCKED_OUT):
                 return _ALONE
@@ -340,11 +350,15 @@ class BatchingPostgresDriver:
         async def run(batch: list[dict[str, Any]]) -> list[int | _Again]:
             if len(batch) == 1:
                 batch[0]["lock_timeout"] = self._lock_timeout
-                args = lone.args(batch[0])
-                status = await self._locked_out(lambda c: c.execute(lone.sql, *args))
-                return [_ALONE if status is _ALONE else _count(status)]
+                count = await self._locked_out(*_fenced_ops(name, lone, batch))
+                return [count]
             args = _arrays(stmt, batch, name, self._lock_timeout)
-            rows = await self._locked_out(lambda c: c.fetch(stmt.sql, *args))
+
+            async def fetch(c: asyncpg.Connection) -> list[Any]:
+                return list(await c.fetch(stmt.sql, *args))
+
+            again = _completing(batch, fetch) if name == "complete" else None
+            rows = await self._locked_out(fetch, again)
             if rows is _ALONE:
                 return [_ALONE] * len(batch)
             done = {(row[0], row[1]) for row in rows}
@@ -374,6 +388,53 @@ def _arrays(stmt: Compiled, batch: list[dict[str, Any]], name: str, lock_timeout
 
 async def _execute(conn: asyncpg.Connection, stmt: Compiled, values: dict[str, Any]) -> int:
     return _count(await conn.execute(stmt.sql, *stmt.args(values)))
+
+
+Op = Callable[[asyncpg.Connection], Awaitable[T]]
+
+
+def _fenced_ops(name: str, stmt: Compiled, one: list[dict[str, Any]]) -> tuple[Op[int], Op[int]]:
+    """The one-row fenced statement of ``one[0]``, and what to send again if its
+    connection broke: the same, and for a completion that changed nothing, whether its
+    first attempt had completed the row (answered 1, as that attempt would have)."""
+    values = one[0]
+
+    async def op(c: asyncpg.Connection) -> int:
+        return await _execute(c, stmt, values)
+
+    if name != "complete":
+        return op, op
+
+    async def fetch(c: asyncpg.Connection) -> list[Any]:
+        return [(values["where_key"], values["where_token"])] if await op(c) else []
+
+    completing = _completing(one, fetch)
+
+    async def again(c: asyncpg.Connection) -> int:
+        return len(await completing(c))
+
+    return op, again
+
+
+def _completing(
+    batch: list[dict[str, Any]], fetch: Callable[[asyncpg.Connection], Awaitable[list[Any]]]
+) -> Callable[[asyncpg.Connection], Awaitable[list[Any]]]:
+    """A completion batch sent again: its statement, then, for the rows it did not
+    change, which are completed with their own token already: the first attempt landed
+    them (no one else holds the token), so they are answered as completed, not lost."""
+
+    async def again(c: asyncpg.Connection) -> list[Any]:
+        rows = list(await fetch(c))
+        changed = {(row[0], row[1]) for row in rows}
+        rest = [v for v in batch if (v["where_key"], v["where_token"]) not in changed]
+        if rest:
+            check = PG_BATCHED["completed_by"]
+            keys = [v["where_key"] for v in rest]
+            tokens = [v["where_token"] for v in rest]
+            rows += await c.fetch(check.sql, *check.args({"c_key": keys, "c_token": tokens}))
+        return rows
+
+    return again
 
 
 def _sent_alone(stats: BatchStats) -> None:

@@ -368,6 +368,18 @@ _RENEW_MANY = _fenced_statement(
     expires_at=lambda u: func.greatest(_t.c.expires_at, u.c.locked_until),  # as _RENEW
 )
 
+
+def _completed_by() -> Select[Any]:
+    """The rows of (key, token) pairs that are completed: a completion sent again after
+    its connection broke asks which of its first attempt's had landed."""
+    c = _fenced_many("c")
+    return (
+        select(_t.c.key, _t.c.token)
+        .select_from(_t.join(c, (_t.c.key == c.c.key) & (_t.c.token == c.c.token)))
+        .where(_t.c.status == _COMPLETED)
+    )
+
+
 # name -> compiled statement; parameters are arrays named "<alias>_<column>".
 PG_BATCHED = {
     name: Compiled(stmt, _asyncpg_dialect())  # type: ignore[no-untyped-call]  # as PG above
@@ -376,6 +388,7 @@ PG_BATCHED = {
         "complete": _COMPLETE_MANY,
         "release": _RELEASE_MANY,
         "renew": _RENEW_MANY,
+        "completed_by": _completed_by(),
     }.items()
 }
 
