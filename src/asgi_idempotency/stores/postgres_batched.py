@@ -452,12 +452,14 @@ def _own(values: dict[str, Any], row: Sequence[Any] | None) -> ClaimAnswer:
     """The answer for a claim that met ``row``: inserted if it is this claim's own.
 
     A claim sent twice (its connection broke under the first, which had committed:
-    :meth:`BatchingPostgresDriver._send`) meets the row it inserted. The token is this
-    claim's alone (128 random bits), so that row is its claim, not a rival's 409.
+    :meth:`BatchingPostgresDriver._send`) meets the row it inserted. That row is this
+    claim's when it is exactly what this claim writes: its token, its fingerprint and
+    its times, in progress (a token alone would not do: the regenerated-key detector's
+    markers all share one). Anything else is a row in the way.
     """
     if row is None:
         return _NOT_VISIBLE
-    if row[2] == values["token"]:
+    if row[2] == values["token"] and tuple(row[:6]) == _claimed_row(values)[:6]:
         return _INSERTED
     return (False, row)
 
