@@ -74,9 +74,15 @@ BREAKS: dict[str, tuple[Path, str, str]] = {
     ),
     "an extra round trip for a request alone": (
         P,
-        '                by_key[unique[0]["key"]] = await self._claim_alone(unique[0])\n',
+        "                return [await self._claim_alone(values)]\n",
         "                await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
-        '                by_key[unique[0]["key"]] = await self._claim_alone(unique[0])\n',
+        "                return [await self._claim_alone(values)]\n",
+    ),
+    "an extra round trip for a request alone in its own task": (
+        P,
+        "                return await self._claim_alone(values, backend)\n",
+        "                await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
+        "                return await self._claim_alone(values, backend)\n",
     ),
 }
 

@@ -640,3 +640,24 @@ async def test_round_trips_under_load_are_amortised_below_todays(
         assert report[name]["per_request"] <= 1, name
     # Under load a statement carries more than one request: the point of batching.
     assert report["fresh"]["operations_per_statement"] > 1
+
+
+@pg
+@pytest.mark.parametrize("inline", [True, False], ids=["in-its-own-task", "through-the-batcher"])
+async def test_one_request_at_a_time_costs_one_round_trip_per_operation(
+    batched: SQLStore, proxied_batched: SQLStore, wire: pgwire.WireCounter, inline: bool
+) -> None:
+    # A lone request's statement is the one-row statement, whether it runs in its own
+    # task (the default) or through the batcher (when it arrives behind another).
+    store = proxied_batched
+    driver(store).alone_inline = inline
+    for i in range(3):  # warm-up: connect and prepare
+        token = tok()
+        await claim(store, k(f"warm-{i}"), token=token)
+        await store.complete(k(f"warm-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+    wire.reset()
+    for i in range(5):
+        token = tok()
+        assert (await claim(store, k(f"one-{i}"), token=token)).outcome is ClaimOutcome.CLAIMED
+        assert await store.complete(k(f"one-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+    assert len(wire.reset()) == 2 * 5

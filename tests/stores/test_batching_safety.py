@@ -527,12 +527,16 @@ async def test_a_claim_cancelled_at_any_point_of_its_life_is_never_left_claimed(
                 assert record is not None
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["alone", "in-the-batcher"])
 async def test_a_claim_cancelled_in_flight_is_released_once_after_it_landed(
-    pg_url: str, batched: SQLStore
+    pg_url: str, batched: SQLStore, inline: bool
 ) -> None:
     # The claim's statement outlives every retry of a time-based release (a short lease
     # and a stalled insert): the one release path must still free it, with one release.
+    # Alone, the statement runs in the request's task and is cut off by its
+    # cancellation while the server goes on with it; in the batcher it is not cut off.
     d = driver(batched)
+    d.alone_inline = inline
     async with slow_inserts(pg_url, 0.9):
         released = Released(batched)
         lease = timedelta(seconds=1)  # release_orphan's retries span 0.7 s of it

@@ -13,13 +13,12 @@ rare, and it must compare each row as its caller read it.
 
 A batch of one request runs the one-row statement (:data:`~.statements.PG_LONE`: that
 of :data:`~.statements.PG` with the lock wait below), so a request that arrives alone
-costs what it costs without batching; a completion, release or renewal that finds its
-kind idle runs it in its own task, sparing the two loop passes of the hop to the
-batcher's task and back (a claim does not: its statement must outlive its waiter's
-cancellation, see the last point below). This is not only tidiness: Postgres keeps
-planning an ``unnest`` statement afresh for each execution (a custom plan) where the
-one-row statement runs its cached generic plan; in a batch that planning is shared by
-every request in it.
+costs what it costs without batching; a request that finds its kind idle (nothing
+queued, nothing in flight) runs it in its own task, sparing the two loop passes of the
+hop to the batcher's task and back, and whoever arrives meanwhile goes to the batcher.
+The one-row statement is not only tidiness: Postgres keeps planning an ``unnest``
+statement afresh for each execution (a custom plan) where the one-row statement runs
+its cached generic plan; in a batch that planning is shared by every request in it.
 
 What this changes against one statement per request, and what keeps it safe:
 
@@ -53,7 +52,10 @@ What this changes against one statement per request, and what keeps it safe:
   (``lifecycle.claim(orphaned=...)`` → :func:`~..lifecycle.release_orphan`, wired by
   the responder and ``Once``). A release of a claim whose statement is still in flight
   waits here until that statement has ended, so its first attempt finds the row if it
-  landed. A waiter cancelled before its batch was sent is never sent.
+  landed: a batch's statement outlives its waiters' cancellation; a lone claim's,
+  cut off by its request's cancellation, is watched on the server (its backend in
+  ``pg_stat_activity``) until it is done. A waiter cancelled before its batch was
+  sent is never sent.
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ _ALONE = _Again.ALONE
 # transaction (which LOCK_WAIT, below deadlock_timeout, normally ends first).
 _LOCKED_OUT = (asyncpg.exceptions.LockNotAvailableError, asyncpg.exceptions.DeadlockDetectedError)
 
+# Whether a server backend is running a statement right now (None: it is gone), and how
+# often a claim cut off mid-statement asks it.
+_BACKEND_ACTIVE = "SELECT state = 'active' FROM pg_stat_activity WHERE pid = $1"
+_WATCH_EVERY = 0.01
+
 # The parameters of each batched statement, from the one-request values dict SQLStore
 # builds, in the order of the arrays (PG_BATCHED[name].names is "<alias>_<column>").
 _FIELDS = {
@@ -148,9 +155,9 @@ class BatchingPostgresDriver:
     ) -> None:
         self.inner = PostgresDriver(engine, limit=limit, timeout=timeout)
         self.lock_wait = lock_wait
-        # A completion, release or renewal that finds its kind idle runs its statement
-        # in its own task (see rowcount); False sends every request through the
-        # batcher (tests of batches).
+        # A request that finds its kind idle runs its statement in its own task (see
+        # claim, rowcount); False sends every request through the batcher (tests of
+        # batches).
         self.alone_inline = True
         # Kinds whose lone request runs its statement in its own task right now: who
         # arrives meanwhile goes to the batcher.
@@ -158,6 +165,8 @@ class BatchingPostgresDriver:
         # Claims in a statement now, by (key, token): a release of one of them (an
         # orphaned claim's, lifecycle.release_orphan) waits until its statement ended.
         self._landing: dict[tuple[str, str], asyncio.Future[None]] = {}
+        # Watches of server backends still running a claim cut off from us (_after_cut).
+        self._watching: set[asyncio.Task[None]] = set()
         # Claims of one key share a statement: see _claim_many.
         self._claims: Batcher[dict[str, Any], ClaimAnswer | _Again] = Batcher(
             self._claim_many, key=_claim_key, distinct=False, max_size=max_batch
@@ -190,10 +199,24 @@ class BatchingPostgresDriver:
     async def claim(self, values: dict[str, Any]) -> ClaimAnswer:
         """(inserted, the row in the way as ``RECORD_COLUMNS``, :data:`~.base.BUSY` if an
         open transaction holds it, or None if not visible)."""
-        # Claims always go through the batcher, even alone: a claim's statement must
-        # outlive its waiter's cancellation, so that the row it may insert is known to
-        # have landed (or not) before the lifecycle's release of it runs (_landing).
-        answer = await self._claims.submit(values)
+        claims = self._claims
+        if claims.idle and "claim" not in self._inline and self.alone_inline:
+            # Alone, as a completion is (see rowcount): in this request's own task.
+            # Cancelled mid-statement, the statement is cut off from us but may still
+            # run on the server and insert; the lifecycle's release of it then waits
+            # until the server is done with it (_after_cut).
+            self._inline.add("claim")
+            _sent_alone(claims.stats)
+            backend: list[int] = []
+            try:
+                return await self._claim_alone(values, backend)
+            except asyncio.CancelledError:
+                if backend:
+                    self._after_cut(values, backend[-1])
+                raise
+            finally:
+                self._inline.discard("claim")
+        answer = await claims.submit(values)
         if answer is _ALONE:
             answer = await self._claim_alone(values)
         return answer
@@ -266,13 +289,56 @@ class BatchingPostgresDriver:
                 return _ALONE
             raise
 
-    async def _claim_alone(self, values: dict[str, Any]) -> ClaimAnswer:
-        """The one-row claim, waiting a moment at most for a row lock: :data:`_HELD` past it."""
+    def _after_cut(self, values: dict[str, Any], backend: int) -> None:
+        """A claim's statement was cut off mid-flight (its waiter was cancelled): until
+        the server backend that ran it is done with it, a release of the claim waits."""
+        landed = asyncio.get_running_loop().create_future()
+        registered = (values["key"], values["token"])
+        self._landing[registered] = landed
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._watching.discard(task)
+            if self._landing.get(registered) is landed:
+                del self._landing[registered]
+            landed.set_result(None)
+
+        task = asyncio.ensure_future(self._statement_over(backend))
+        self._watching.add(task)
+        task.add_done_callback(done)
+
+    async def _statement_over(self, backend: int) -> None:
+        """Until ``backend`` runs no statement (or is gone), or the statement timeout has
+        surely ended it. A failure to ask ends the wait: release_orphan's own retries
+        then cover what remains."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.inner._timeout
+        while loop.time() < deadline:
+            try:
+                active = await self.inner._run(lambda c: c.fetchval(_BACKEND_ACTIVE, backend))
+            except StoreError:
+                return
+            if not active:
+                return
+            await asyncio.sleep(_WATCH_EVERY)
+
+    async def _claim_alone(
+        self, values: dict[str, Any], backend: list[int] | None = None
+    ) -> ClaimAnswer:
+        """The one-row claim, waiting a moment at most for a row lock: :data:`_HELD` past it.
+
+        ``backend`` gets the server pid of each connection the statement is sent on.
+        """
         stmt = PG_LONE["claim"]
         values["lock_timeout"] = self._lock_timeout
         args = stmt.args(values)
+
+        async def fetch(c: asyncpg.Connection) -> Any:
+            if backend is not None:
+                backend.append(c.get_server_pid())
+            return await c.fetchrow(stmt.sql, *args)
+
         try:
-            row = await self._send(lambda c: c.fetchrow(stmt.sql, *args))
+            row = await self._send(fetch)
         except StoreError as exc:
             if isinstance(exc.__cause__, _LOCKED_OUT):
                 # An open transaction holds the key's row: deciding it right now, by
@@ -367,6 +433,8 @@ class BatchingPostgresDriver:
         return run
 
     async def close(self) -> None:
+        if self._watching:
+            await asyncio.gather(*self._watching, return_exceptions=True)
         await self._claims.close()
         for batcher in self._fenced.values():
             await batcher.close()
