@@ -8,7 +8,7 @@ ratios):
    tasks, and the pair's latency one at a time, for
 
    - ``batched``: ``SQLStore(batching=True)`` through :func:`lifecycle.claim`;
-   - ``per-request``: ``SQLStore()`` (one statement per operation);
+   - ``per-request``: ``SQLStore(batching=False)`` (one statement per operation);
    - ``floor``: raw asyncpg, the same two one-row statements, a pool with one
      connection per task and no reset on release: the least a per-request guard does.
 

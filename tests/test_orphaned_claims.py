@@ -9,7 +9,8 @@ hand such a claim to :func:`lifecycle.release_orphan`; the next attempt runs.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from asgi_idempotency import IdempotencyMiddleware, Once
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.once import record_key
 from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.base import NewClaim, Record, Store
+from asgi_idempotency.stores.base import Busy, NewClaim, Record, Store
 
 pytestmark = pytest.mark.anyio
 
@@ -40,7 +41,7 @@ class LandsThenHangs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def insert(self, new: NewClaim) -> Record | None:
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         got = await self.inner.insert(new)
         if not self.landed.is_set():
             self.landed.set()
@@ -102,3 +103,61 @@ async def test_a_call_cancelled_during_its_claim_leaves_the_key_free(store: Stor
         await first
     await gone(store, record_key("orphans", "order-7"))
     assert (await refund("order-7"), runs) == (1, 1)
+
+
+class MarkerHangs:
+    """The store, except that the insert after the first (the regenerated-key detector's
+    marker, made once the claim is the request's) never answers."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.inserts = 0
+        self.marking = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
+        self.inserts += 1
+        if self.inserts == 2:
+            self.marking.set()
+            await asyncio.Event().wait()  # until cancelled
+        return await self.inner.insert(new)
+
+
+async def test_a_request_cancelled_between_its_claim_and_its_handler_leaves_the_key_free(
+    store: Store,
+) -> None:
+    # The claim is the request's (it landed and was answered); the detector's marker is
+    # in flight when the request is cancelled: nothing ran, so the key must not answer
+    # 409 until the lease ends.
+    runs = 0
+
+    async def refund(request: Request) -> JSONResponse:
+        nonlocal runs
+        runs += 1
+        return JSONResponse({"refund": runs}, status_code=201)
+
+    hanging = MarkerHangs(store)
+    app = Starlette(
+        routes=[Route("/refunds", refund, methods=["POST"])],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware, store=hanging, principal=ANONYMOUS,
+                detect_regenerated_keys=timedelta(seconds=60),
+            )
+        ],
+    )  # fmt: skip
+    headers = {"idempotency-key": "order-8"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://shop.test"
+    ) as client:
+        first = asyncio.create_task(client.post("/refunds", json={"a": 1}, headers=headers))
+        async with asyncio.timeout(WAIT):
+            await hanging.marking.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await gone(store, scoped_key("", "order-8", "shop.test"))
+        retry = await client.post("/refunds", json={"a": 1}, headers=headers)
+    assert (retry.status_code, runs) == (201, 1)

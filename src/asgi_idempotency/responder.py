@@ -386,7 +386,16 @@ class Responder:
             await self._answer_existing(claim, now)
             return False
         if rt.regenerated is not None:
-            await self._check_regenerated(claimant, now)
+            try:
+                await self._check_regenerated(claimant, now)
+            except asyncio.CancelledError:
+                # The claim is this request's and nothing ran for it: release it now
+                # (token-fenced) rather than leave the key to answer 409 for a lease. A
+                # transaction's claim rolls back with it.
+                if self.tx is None:
+                    release = functools.partial(rt.store.release, req.key, token)
+                    rt.rerun(release, req.route, req.key, "release")
+                raise
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
             if span is not None:

@@ -41,10 +41,10 @@ BREAKS: dict[str, tuple[Path, str, str]] = {
         "            assert self._task is not None\n            self._task.cancel()\n"
         "            raise\n",
     ),
-    "a cancelled claimer's inserted row is kept": (
+    "an orphan's release sent before its claim landed": (
         P,
-        "        if not answer[0]:\n            return\n",
-        "        return\n",
+        "                await asyncio.wait((landing,))\n",
+        "                pass\n",
     ),
     "no batch size bound": (
         B,
@@ -59,20 +59,30 @@ BREAKS: dict[str, tuple[Path, str, str]] = {
     ),
     "rows in the way lost from a batch": (
         P,
-        "                    by_key[row[0]] = (False, tuple(row)[2:])\n",
-        "                    by_key[row[0]] = _NOT_VISIBLE\n",
+        "                        by_key[row[0]] = _own(first[row[0]], tuple(row)[2:])\n",
+        "                        by_key[row[0]] = _NOT_VISIBLE\n",
     ),
     "an extra round trip per batch": (
         P,
-        "            for row in await self.inner._run(lambda c: c.fetch(stmt.sql, *args)):\n",
-        "            await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
-        "            for row in await self.inner._run(lambda c: c.fetch(stmt.sql, *args)):\n",
+        "                rows = await self._locked_out(lambda c: c.fetch(stmt.sql, *args))\n"
+        "                if rows is _ALONE:\n                    return [_ALONE] * len(batch)\n"
+        "                for row in rows:\n",
+        "                await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
+        "                rows = await self._locked_out(lambda c: c.fetch(stmt.sql, *args))\n"
+        "                if rows is _ALONE:\n                    return [_ALONE] * len(batch)\n"
+        "                for row in rows:\n",
     ),
     "an extra round trip for a request alone": (
         P,
-        '            by_key[unique[0]["key"]] = await self.inner.claim(unique[0])\n',
-        "            await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
-        '            by_key[unique[0]["key"]] = await self.inner.claim(unique[0])\n',
+        "                return [await self._claim_alone(values)]\n",
+        "                await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
+        "                return [await self._claim_alone(values)]\n",
+    ),
+    "an extra round trip for a request alone in its own task": (
+        P,
+        "                return await self._claim_alone(values, backend)\n",
+        "                await self.inner._run(lambda c: c.fetchval('SELECT 1'))\n"
+        "                return await self._claim_alone(values, backend)\n",
     ),
 }
 

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.errors import StoreError
 from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.stores.base import NewClaim
 from asgi_idempotency.stores.batching import Batcher
 from asgi_idempotency.stores.postgres_batched import _FIELDS, BatchingPostgresDriver
 from asgi_idempotency.stores.statements import PG_BATCHED
@@ -51,11 +52,17 @@ def k(name: str) -> str:
 
 
 async def claim(
-    store: SQLStore, key: str, h: str = "h1", token: str | None = None, now: datetime = T0
+    store: SQLStore,
+    key: str,
+    h: str = "h1",
+    token: str | None = None,
+    now: datetime = T0,
+    orphaned: Callable[[NewClaim], object] | None = None,
 ) -> Claim:
     return await lifecycle.claim(
-        store, key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL
-    )
+        store, key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL,
+        orphaned=orphaned,
+    )  # fmt: skip
 
 
 def driver(store: SQLStore) -> BatchingPostgresDriver:
@@ -209,9 +216,11 @@ async def test_a_closed_batcher_refuses_and_lets_the_last_statement_finish() -> 
 
 def test_the_statements_parameters_are_the_fields_the_driver_sends() -> None:
     for name, fields in _FIELDS.items():
-        columns = [n.split("_", 1)[1] for n in PG_BATCHED[name].names]
+        *arrays, lock_wait = PG_BATCHED[name].names
+        columns = [n.split("_", 1)[1] for n in arrays]
         expected = [f.removeprefix("where_").replace("now", "created_at") for f in fields]
         assert columns == expected, name
+        assert lock_wait == "lock_timeout", name
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,6 +232,12 @@ pg = pytest.mark.postgres
 @pytest.fixture
 async def batched(pg_url: str) -> AsyncIterator[SQLStore]:
     store = SQLStore(pg_url, batching=True)
+    # These tests hold a batch in flight with a row lock (holding): a batch waits for it
+    # rather than ask its requests again alone (test_batching_safety.py tests that).
+    driver(store).lock_wait = store._command_timeout
+    # They are about batches: a request alone goes through the batcher too, rather than
+    # run its statement in its own task.
+    driver(store).alone_inline = False
     await truncate(store)
     try:
         yield store
@@ -461,10 +476,17 @@ async def test_a_failing_completion_batch_fails_every_completion_in_it(
 async def test_a_cancelled_claimer_cancels_nothing_else_and_its_row_is_released(
     batched: SQLStore,
 ) -> None:
+    released: list[asyncio.Task[bool]] = []
+
+    def orphans(new: NewClaim) -> None:  # as the responder wires it
+        released.append(asyncio.ensure_future(lifecycle.release_orphan(batched, new)))
+
     async with holding(batched, k("held")):
         blocked = asyncio.ensure_future(claim(batched, k("held")))
         await in_flight(batched)
-        tasks = [asyncio.ensure_future(claim(batched, k(f"w{i}"))) for i in range(4)]
+        tasks = [
+            asyncio.ensure_future(claim(batched, k(f"w{i}"), orphaned=orphans)) for i in range(4)
+        ]
         await in_flight(batched, 1)
         await asyncio.sleep(0.05)
         tasks[1].cancel()  # its batch is queued or in flight: neither is cancelled
@@ -489,9 +511,15 @@ async def test_a_cancelled_claimer_in_flight_has_its_inserted_row_released(
     batched: SQLStore,
 ) -> None:
     # The cancelled claim is in the statement that waits: its insert commits after its
-    # waiter is gone, and the orphan release removes it.
+    # waiter is gone, and the orphan release (lifecycle.release_orphan, wired as the
+    # responder wires it) removes it, once that statement has ended.
+    released: list[asyncio.Task[bool]] = []
+
+    def orphans(new: NewClaim) -> None:
+        released.append(asyncio.ensure_future(lifecycle.release_orphan(batched, new)))
+
     async with holding(batched, k("held")):
-        victim = asyncio.ensure_future(claim(batched, k("victim")))
+        victim = asyncio.ensure_future(claim(batched, k("victim"), orphaned=orphans))
         other = asyncio.ensure_future(claim(batched, k("other")))
         blocked = asyncio.ensure_future(claim(batched, k("held")))
         await in_flight(batched)
@@ -501,10 +529,7 @@ async def test_a_cancelled_claimer_in_flight_has_its_inserted_row_released(
     assert (await other).outcome is ClaimOutcome.CLAIMED
     with pytest.raises(asyncio.CancelledError):
         await victim
-    for _ in range(100):
-        if k("victim") not in await keys_in_table(batched):
-            break
-        await asyncio.sleep(0.01)
+    assert [await task for task in released] == [True]
     assert await keys_in_table(batched) == {k("held"), k("other")}
     assert driver(batched).stats["release"].operations == 1
 
@@ -514,7 +539,10 @@ async def test_the_batch_size_bound_is_respected(pg_url: str) -> None:
     store = SQLStore(pg_url, batching=True)
     await truncate(store)
     await store._driver.close()
-    store._driver = BatchingPostgresDriver(store.engine, limit=5, timeout=5.0, max_batch=4)
+    store._driver = BatchingPostgresDriver(
+        store.engine, limit=5, timeout=5.0, max_batch=4, lock_wait=5.0
+    )
+    driver(store).alone_inline = False
     try:
         async with holding(store, k("held")):
             blocked = asyncio.ensure_future(claim(store, k("held")))
@@ -612,3 +640,24 @@ async def test_round_trips_under_load_are_amortised_below_todays(
         assert report[name]["per_request"] <= 1, name
     # Under load a statement carries more than one request: the point of batching.
     assert report["fresh"]["operations_per_statement"] > 1
+
+
+@pg
+@pytest.mark.parametrize("inline", [True, False], ids=["in-its-own-task", "through-the-batcher"])
+async def test_one_request_at_a_time_costs_one_round_trip_per_operation(
+    batched: SQLStore, proxied_batched: SQLStore, wire: pgwire.WireCounter, inline: bool
+) -> None:
+    # A lone request's statement is the one-row statement, whether it runs in its own
+    # task (the default) or through the batcher (when it arrives behind another).
+    store = proxied_batched
+    driver(store).alone_inline = inline
+    for i in range(3):  # warm-up: connect and prepare
+        token = tok()
+        await claim(store, k(f"warm-{i}"), token=token)
+        await store.complete(k(f"warm-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+    wire.reset()
+    for i in range(5):
+        token = tok()
+        assert (await claim(store, k(f"one-{i}"), token=token)).outcome is ClaimOutcome.CLAIMED
+        assert await store.complete(k(f"one-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+    assert len(wire.reset()) == 2 * 5

@@ -16,7 +16,7 @@ this one only defines functions.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import assert_type
+from typing import Literal, assert_type
 
 import httpx
 from sqlalchemy import Table
@@ -108,6 +108,7 @@ from asgi_idempotency.principals import (
     from_session,
     from_user,
 )
+from asgi_idempotency.stores.base import BUSY, Busy
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -238,8 +239,8 @@ async def stores(engine: AsyncEngine) -> list[Store]:
 
 async def records(store: Store) -> None:
     new = NewClaim("k" * 64, "hash", "token", NOW, NOW + timedelta(seconds=30), NOW + timedelta(1))
-    existing: Record | None = await store.insert(new)
-    if existing is not None:
+    existing: Record | Literal[Busy.BUSY] | None = await store.insert(new)
+    if existing is not None and existing is not BUSY:
         assert_type(existing.status, RecordStatus)
         assert_type(await store.replace(existing, new), bool)
     response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")

@@ -147,11 +147,13 @@ class Store(Protocol):
     and retention are testable; hosts sharing a store need synchronised clocks (NTP).
     """
 
-    async def insert(self, new: NewClaim) -> Record | None:
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         """Insert an in-progress row; ``None`` if inserted, else the row in the way.
 
         The row in the way is returned whatever its state (expired included): the
-        caller decides. One round trip on SQL stores.
+        caller decides. One round trip on SQL stores. :data:`BUSY` when the row is
+        held by an open transaction, which is deciding the key right now (the batching
+        Postgres store answers so rather than make a batch wait for it): in progress.
         """
         ...
 

@@ -31,6 +31,7 @@ Rules, each with a test in ``tests/stores/test_batching.py``:
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -146,6 +147,11 @@ class Batcher(Generic[Req, Res]):
         # Cancelling the waiter cancels only this future; the statement goes on.
         return await future
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, nothing in flight: a request submitted now would go alone."""
+        return self._task is None and not self._queue and not self._inline_busy
+
     async def close(self) -> None:
         """Refuse new requests; wait for what is queued and in flight to be answered."""
         self._closed = True
@@ -225,9 +231,10 @@ def _fail(
     batch: Sequence[_Entry[Req, Res]], exc: StoreError, *, cause: BaseException | None = None
 ) -> None:
     # Each waiter raises its own exception object: one shared instance would collect
-    # every waiter's traceback.
+    # every waiter's traceback. A copy keeps the failure's type and detail (a missing
+    # table stays SchemaMissing, whose fix is a migration, not a retry).
     for _request, future in batch:
         if not future.done():
-            error = StoreError(str(exc))
+            error = copy.copy(exc)
             error.__cause__ = cause if cause is not None else (exc.__cause__ or exc)
             future.set_exception(error)

@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .base import StoreTransaction
+from .base import Busy, StoreTransaction
 from .sqlerrors import ErrorBoundary
 
 __all__ = [
@@ -61,8 +61,12 @@ class HotPath(Protocol):
     dialect's :attr:`SQLDialect.errors`).
     """
 
-    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
-        """(inserted, the row in the way as ``RECORD_COLUMNS``, or None if not visible)."""
+    async def claim(
+        self, values: dict[str, Any]
+    ) -> tuple[bool, Sequence[Any] | Literal[Busy.BUSY] | None]:
+        """(inserted, the row in the way as ``RECORD_COLUMNS``, :data:`~.base.BUSY` if an
+        open transaction holds that row (a hot path that does not wait for it), or None
+        if not visible)."""
         ...
 
     async def rowcount(self, name: Op, values: dict[str, Any]) -> int:

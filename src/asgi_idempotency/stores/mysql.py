@@ -126,6 +126,9 @@ class MySQLDriver(PostgresDriver):
             raise
         return fairy
 
+    def _gone(self, fairy: PoolProxiedConnection) -> bool:
+        return not _driver(fairy).connected
+
     def _close_soon(self, fairy: PoolProxiedConnection) -> None:
         if fairy.is_valid:
             fairy.invalidate()  # autocommit is on: never back into the pool as it is

@@ -43,6 +43,7 @@ __all__ = [
     "PostgresDriver",
     "PostgresTransaction",
     "open_transaction",
+    "statement_timeout_ms",
 ]
 
 T = TypeVar("T")
@@ -107,8 +108,16 @@ class PostgresDriver:
         self._wake(None)
 
     async def _checkout(self) -> PoolProxiedConnection:
-        if self._idle:
-            return self._idle.pop()
+        while self._idle:
+            idle = self._idle.pop()
+            if not self._gone(idle):
+                return idle
+            # The server closed it while it was idle (idle_session_timeout, a restart,
+            # pg_terminate_backend, a pooler): asyncpg has read its end, so it would only
+            # fail the statement given to it. Drop it and take the next.
+            idle.invalidate()
+            self._close_soon(idle)
+            self._held -= 1  # no waiter to wake: they are handed connections before idle
         if self._held < self._limit:
             return await self._open()
         loop = asyncio.get_running_loop()
@@ -136,6 +145,11 @@ class PostgresDriver:
         finally:
             timer.cancel()
         return fairy if fairy is not None else await self._open()
+
+    def _gone(self, fairy: PoolProxiedConnection) -> bool:
+        """Whether the driver knows the connection closed (it read the server's end)."""
+        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+        return driver.is_closed()
 
     def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
         while self._waiters:
@@ -329,13 +343,40 @@ def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
     if options.batching:
         from .postgres_batched import BatchingPostgresDriver  # it builds on this module
 
-        return BatchingPostgresDriver(engine, limit=options.limit, timeout=options.timeout)
+        return BatchingPostgresDriver(
+            engine, limit=options.limit, timeout=options.timeout, max_batch=options.max_batch
+        )
     return PostgresDriver(engine, limit=options.limit, timeout=options.timeout)
 
 
+# How much sooner than the client the server gives up on a statement: at most a second,
+# a fifth of command_timeout when that is shorter (see statement_timeout_ms).
+_SERVER_GIVES_UP_SOONER = 1.0
+
+
+def statement_timeout_ms(command_timeout: float) -> int:
+    """The server's ``statement_timeout`` (ms) for a store's ``command_timeout`` (s).
+
+    When asyncpg's ``command_timeout`` fires, the store answers 503 at once, but the
+    statement stops only when the cancel request asyncpg sends on a new connection
+    arrives; if a lock it waited on is released first, it commits behind the client's
+    back (a claim then answers 409 for its lease, with no handler run). The server's
+    own timeout, shorter by a margin (the statement's trip to the server, and the
+    server's reaction), ends it there first: a statement the store gave up on has
+    already been rolled back.
+    """
+    margin = min(_SERVER_GIVES_UP_SOONER, command_timeout / 5)
+    return max(1, int((command_timeout - margin) * 1000))
+
+
 def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
-    # asyncpg's own command_timeout bounds each statement, at no statement's cost.
-    connect = {"command_timeout": command_timeout, "timeout": command_timeout}
+    # asyncpg's own command_timeout bounds each statement, at no statement's cost; the
+    # server's statement_timeout, set once per connection, ends it there first.
+    connect = {
+        "command_timeout": command_timeout,
+        "timeout": command_timeout,
+        "server_settings": {"statement_timeout": str(statement_timeout_ms(command_timeout))},
+    }
     return {**pool_options(command_timeout, pool_size), "connect_args": connect}
 
 
@@ -349,6 +390,10 @@ DIALECT = SQLDialect(
     configure_engine=leave_engine,
     create_schema=_create_schema,
     prune=prune_by_ctid,
+    # Batching by default: under load a statement's round trip and commit are shared,
+    # a request alone costs what it did, and what one request per statement never
+    # suffered stays so (postgres_batched.py, tests/stores/test_batching_safety.py).
+    batching=True,
     can_batch=True,
     transaction=open_transaction,
 )

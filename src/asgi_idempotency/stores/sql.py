@@ -29,7 +29,7 @@ import functools
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Executable, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -39,8 +39,10 @@ from sqlalchemy.util import greenlet_spawn
 from ..errors import SchemaMissing, StoreError
 from ..urls import async_url, redact
 from .base import (
+    BUSY,
     STATUS_OF,
     Bucket,
+    Busy,
     Capabilities,
     NewClaim,
     Record,
@@ -82,7 +84,8 @@ class SQLStore:
             Postgres as one statement per kind (:mod:`.postgres_batched`, and the
             docs' Batching on Postgres section), on SQLite in one transaction of its
             connection thread. ``None`` (the default) takes the backend's default
-            (:attr:`.dialect.SQLDialect.batching`); the argument alone decides (the
+            (:attr:`.dialect.SQLDialect.batching`: on for Postgres and SQLite);
+            ``False`` sends one statement per request. The argument alone decides (the
             library reads no environment variable). Not available on MariaDB/MySQL yet
             (``True`` raises ``ValueError``).
         max_batch: at most this many operations in one batched statement or
@@ -248,7 +251,7 @@ class SQLStore:
             "expires_at": when(new.expires_at),
         }
 
-    async def insert(self, new: NewClaim) -> Record | None:
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         values = self._claim_values(new)
@@ -257,6 +260,8 @@ class SQLStore:
             inserted, row = await self._driver.claim(values)
             if inserted:
                 return None
+            if row is BUSY:  # batching on Postgres: an open transaction holds the row
+                return BUSY
             if row is not None:
                 return to_record(new.key, row)
         raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")

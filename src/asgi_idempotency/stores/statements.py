@@ -12,6 +12,7 @@ folded into the insert).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -49,6 +50,7 @@ __all__ = [
     "MYSQL",
     "PG",
     "PG_BATCHED",
+    "PG_LONE",
     "RECORD_COLUMNS",
     "REPLACE",
     "SQLITE",
@@ -90,9 +92,24 @@ _KEY = _t.c.key == bindparam("key")
 _WHERE_KEY = _t.c.key == bindparam("where_key")
 
 
-def _pg_claim(lock: bool) -> Select[Any]:
+def _lock_wait() -> Any:
+    """A condition that is always true and, evaluated, sets this statement's lock wait.
+
+    ``set_config(..., is_local => true)`` is ``SET LOCAL``: in autocommit it lasts
+    until the statement's own implicit transaction ends. Put in a filter that every
+    row passes before the statement locks anything, it bounds every lock wait of the
+    statement to ``lock_timeout`` (the ``lock_timeout`` parameter, e.g. ``'100ms'``);
+    past it Postgres raises lock_not_available (55P03) and the statement rolls back.
+    """
+    return func.set_config(
+        literal_column("'lock_timeout'"), bindparam("lock_timeout", type_=_TEXT), true()
+    ).is_not(None)
+
+
+def _pg_claim(lock: bool, lock_wait: bool = False) -> Select[Any]:
     """Insert, or return the row in the way, in one statement (and, with ``lock``, under
-    ``pg_try_advisory_xact_lock`` on the key, first).
+    ``pg_try_advisory_xact_lock`` on the key, first; with ``lock_wait``, waiting at most
+    ``lock_timeout`` for a row lock).
 
     The outer SELECT sees the statement's snapshot, so a row committed by a racing
     claim after it began reads as NULL (the caller then asks again), and a row updated
@@ -100,6 +117,8 @@ def _pg_claim(lock: bool) -> Select[Any]:
     ``lock`` too, as the lock is taken after the snapshot.
     """
     rows = select(bindparam("key"), *_CLAIMED_ROW.values())
+    if lock_wait:
+        rows = rows.where(_lock_wait())
     got: Any = true()
     if lock:
         # Volatile, so Postgres evaluates it once and before the insert that reads it.
@@ -251,19 +270,20 @@ def _pg_claim_many() -> Select[Any]:
     share keys take their locks in the same order and cannot deadlock. As in the
     one-row claim, the row in the way is read in the statement's snapshot: a row
     committed by a racing claim after the statement began reads as NULL (the caller
-    asks again).
+    asks again). A lock wait (on an uncommitted insert of one of its keys) lasts
+    ``lock_timeout`` at most: every row of ``v`` passes the filter that sets it before
+    any row is inserted.
     """
-    v = select(
-        _unnest(
-            "v",
-            ("key", _TEXT),
-            ("request_hash", _TEXT),
-            ("token", _TEXT),
-            ("created_at", _TIME),
-            ("locked_until", _TIME),
-            ("expires_at", _TIME),
-        )
-    ).cte("v")
+    rows = _unnest(
+        "v",
+        ("key", _TEXT),
+        ("request_hash", _TEXT),
+        ("token", _TEXT),
+        ("created_at", _TIME),
+        ("locked_until", _TIME),
+        ("expires_at", _TIME),
+    )
+    v = select(rows).where(_lock_wait()).cte("v")
     ins = (
         pg_insert(_t)
         .from_select(
@@ -287,44 +307,78 @@ def _fenced_many(name: str, *extra: tuple[str, Any]) -> Any:
     return _unnest(name, ("key", _TEXT), ("token", _TEXT), *extra)
 
 
-_u_complete = _fenced_many(
-    "u",
-    ("expires_at", _TIME),
-    ("response_status", _t.c.response_status.type),
-    ("response_headers", _t.c.response_headers.type),
-    ("response_body", _t.c.response_body.type),
-)
-_u_release = _fenced_many("u")
-_u_renew = _fenced_many("u", ("locked_until", _TIME))
-
-
 def _owned_by(u: Any) -> Any:
     """Token-fenced per row: only the claim that owns a row changes it."""
     return (_t.c.key == u.c.key) & (_t.c.token == u.c.token) & (_t.c.status == _IN_PROGRESS)
 
 
-_COMPLETE_MANY = (
-    update(_t)
-    .where(_owned_by(_u_complete))
-    .values(
-        status=_COMPLETED,
-        expires_at=_u_complete.c.expires_at,
-        response_status=_u_complete.c.response_status,
-        response_headers=_u_complete.c.response_headers,
-        response_body=_u_complete.c.response_body,
+def _in_key_order(u_rows: Any) -> tuple[Any, Any]:
+    """The batch's rows as a CTE, and a CTE locking the rows they own in key order.
+
+    An ``UPDATE ... FROM unnest(...)`` locks rows in the order its join yields them:
+    the array's order, or the table's, whichever the plan follows. Two statements
+    over the same rows in different orders (a batch of renewals and one of
+    completions, in two processes) can then each hold a row the other waits for, and
+    Postgres aborts one, with every completion it carried. Locking first in one
+    global order (``ORDER BY key FOR UPDATE``: a sort below the lock) leaves no
+    cycle. The filter of the rows' CTE sets the statement's lock wait before any lock.
+    """
+    u = select(u_rows).where(_lock_wait()).cte("u")
+    locked = (
+        select(_t.c.key)
+        .join(u, _owned_by(u))
+        .order_by(_t.c.key)
+        .with_for_update(of=_t)
+        .cte("locked")
     )
-    .returning(_t.c.key, _t.c.token)
+    return u, locked
+
+
+def _fenced_statement(kind: str, u_rows: Any, **values: Callable[[Any], Any]) -> Any:
+    u, locked = _in_key_order(u_rows)
+    where = (_owned_by(u), _t.c.key == locked.c.key)
+    stmt: Any
+    if kind == "delete":
+        stmt = delete(_t).where(*where)
+    else:
+        stmt = update(_t).where(*where).values({name: make(u) for name, make in values.items()})
+    return stmt.returning(_t.c.key, _t.c.token)
+
+
+_COMPLETE_MANY = _fenced_statement(
+    "update",
+    _fenced_many(
+        "u",
+        ("expires_at", _TIME),
+        ("response_status", _t.c.response_status.type),
+        ("response_headers", _t.c.response_headers.type),
+        ("response_body", _t.c.response_body.type),
+    ),
+    status=lambda u: _COMPLETED,
+    expires_at=lambda u: u.c.expires_at,
+    response_status=lambda u: u.c.response_status,
+    response_headers=lambda u: u.c.response_headers,
+    response_body=lambda u: u.c.response_body,
 )
-_RELEASE_MANY = delete(_t).where(_owned_by(_u_release)).returning(_t.c.key, _t.c.token)
-_RENEW_MANY = (
-    update(_t)
-    .where(_owned_by(_u_renew))
-    .values(
-        locked_until=_u_renew.c.locked_until,
-        expires_at=func.greatest(_t.c.expires_at, _u_renew.c.locked_until),  # as _RENEW
+_RELEASE_MANY = _fenced_statement("delete", _fenced_many("u"))
+_RENEW_MANY = _fenced_statement(
+    "update",
+    _fenced_many("u", ("locked_until", _TIME)),
+    locked_until=lambda u: u.c.locked_until,
+    expires_at=lambda u: func.greatest(_t.c.expires_at, u.c.locked_until),  # as _RENEW
+)
+
+
+def _completed_by() -> Select[Any]:
+    """The rows of (key, token) pairs that are completed: a completion sent again after
+    its connection broke asks which of its first attempt's had landed."""
+    c = _fenced_many("c")
+    return (
+        select(_t.c.key, _t.c.token)
+        .select_from(_t.join(c, (_t.c.key == c.c.key) & (_t.c.token == c.c.token)))
+        .where(_t.c.status == _COMPLETED)
     )
-    .returning(_t.c.key, _t.c.token)
-)
+
 
 # name -> compiled statement; parameters are arrays named "<alias>_<column>".
 PG_BATCHED = {
@@ -334,5 +388,19 @@ PG_BATCHED = {
         "complete": _COMPLETE_MANY,
         "release": _RELEASE_MANY,
         "renew": _RENEW_MANY,
+        "completed_by": _completed_by(),
+    }.items()
+}
+
+# The one-row statements of PG, waiting at most ``lock_timeout`` for a row lock: what
+# the batching driver sends for a batch of one, so that a lone statement stuck behind
+# a held row cannot hold up the requests queued behind it either.
+PG_LONE = {
+    name: Compiled(stmt, _asyncpg_dialect())  # type: ignore[no-untyped-call]  # as PG above
+    for name, stmt in {
+        "claim": _pg_claim(lock=False, lock_wait=True),
+        "complete": _COMPLETE.where(_lock_wait()),
+        "release": _RELEASE.where(_lock_wait()),
+        "renew": _RENEW.where(_lock_wait()),
     }.items()
 }
