@@ -80,7 +80,4 @@ async def test_a_missing_table_is_schema_missing_on_every_operation(
             assert "migrate" in raised.value.detail
             assert "idempotency_records" in str(raised.value)  # the driver's words, for the log
     finally:
-        # The database is the session's (pg_url, mariadb_url): the tests after this one
-        # need the table back.
-        await store.create_all()
         await store.close()
