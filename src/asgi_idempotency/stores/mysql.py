@@ -20,13 +20,19 @@ engine never gets an autocommit connection it did not ask for.
 
 Timeouts: on an engine the store builds, each connection gets the server-side
 limits (:func:`session_limits`), so the server abandons a statement that runs past
-``command_timeout`` (rolled back, never committed after the client's 503), and
-asyncmy's ``read_timeout`` a second later is the backstop for a server that does not
-answer at all (the connection is then closed and dropped).
+``command_timeout`` (rolled back, never committed after the client's 503). The
+backstop for a server that does not answer at all is a second later, so that the
+server's own limit answers first: on the hot path, one ``asyncio.timeout`` around each
+operation; on SQLAlchemy's own connections, asyncmy's ``read_timeout``. Either way a
+:class:`StoreError`, and the connection is closed and dropped. The hot path turns
+``read_timeout`` off on the connections it keeps: with one set, asyncmy waits for
+every read through ``asyncio.wait_for`` (a task of its own each time) and skips its
+fast path for prepared statements' replies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, cast
@@ -68,6 +74,8 @@ class _Prepared(Protocol):
 
 
 class _Connection(Protocol):
+    _read_timeout: float | None
+
     @property
     def connected(self) -> bool: ...
 
@@ -80,6 +88,11 @@ class _Connection(Protocol):
 
 # The prepared statements of one driver connection, in its pool record's ``info``.
 _PREPARED = "asgi_idempotency.mysql.prepared"
+
+# How long past command_timeout the client waits for the server: the server's own
+# limits (session_limits) end a slow statement at command_timeout with an error that
+# leaves the connection usable; the client's bound only ends a silent server.
+_MARGIN = 1.0
 
 # What INSERT IGNORE would truncate silently (strict mode refuses it; IGNORE turns the
 # refusal into a warning): checked before the statement, as Postgres' VARCHAR(n) does.
@@ -117,6 +130,10 @@ class MySQLDriver(PostgresDriver):
             # Once per connection: every hot-path statement then commits by itself.
             if not driver.get_autocommit():
                 await driver.autocommit(True)
+            # Bounded by _run_mysql instead (see the module's docstring). Never back
+            # in SQLAlchemy's pool (_close_soon), so its Core work keeps the backstop.
+            if getattr(driver, "_read_timeout", None) is not None:
+                driver._read_timeout = None
         except BaseException as exc:
             fairy.invalidate()
             await greenlet_spawn(fairy.close)
@@ -151,7 +168,16 @@ class MySQLDriver(PostgresDriver):
             return stmt
 
         try:
-            result = await op(prepared)
+            async with asyncio.timeout(self._timeout + _MARGIN):
+                result = await op(prepared)
+        except TimeoutError as exc:
+            # Cancelled mid-read: asyncmy has closed the connection (its stream is out
+            # of step). A server that answers nothing for this long is likely gone, so
+            # the idle connections go with it, as on a lost connection.
+            await self._discard(fairy, exc)
+            raise StoreError(
+                f"TimeoutError: no answer from the server within {self._timeout + _MARGIN:g}s"
+            ) from exc
         except MYSQL_ERRORS.errors as exc:
             if not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
@@ -304,11 +330,12 @@ def connect_args(command_timeout: float) -> dict[str, Any]:
 
     ``read_timeout`` is a second past ``command_timeout`` so that the server's own
     limit (:func:`session_limits`) answers first and the connection stays usable; it
-    fires only when the server does not answer at all, and closes the connection.
+    fires only when the server does not answer at all, and closes the connection. The
+    hot path turns it off on the connections it keeps and bounds each operation itself.
     """
     return {
         "connect_timeout": max(1, math.ceil(command_timeout)),
-        "read_timeout": command_timeout + 1.0,
+        "read_timeout": command_timeout + _MARGIN,
     }
 
 
