@@ -139,6 +139,7 @@ async def _mariadb_admin(url: str, *statements: str) -> None:
     )  # fmt: skip
     try:
         async with conn.cursor() as cur:
+            await cur.execute("SET sql_notes = 0")  # asyncmy logs DROP IF EXISTS's note
             for statement in statements:
                 await cur.execute(statement.format(u.database))
     finally:
