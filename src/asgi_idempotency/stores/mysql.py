@@ -22,9 +22,10 @@ Timeouts: on an engine the store builds, each connection gets the server-side
 limits (:func:`session_limits`), so the server abandons a statement that runs past
 ``command_timeout`` (rolled back, never committed after the client's 503). The
 backstop for a server that does not answer at all is a second later, so that the
-server's own limit answers first: on the hot path, one ``asyncio.timeout`` around each
-operation; on SQLAlchemy's own connections, asyncmy's ``read_timeout``. Either way a
-:class:`StoreError`, and the connection is closed and dropped. The hot path turns
+server's own limit answers first: on the hot path, one timer around each operation
+that closes the connection when it fires; on SQLAlchemy's own connections, asyncmy's
+``read_timeout``. Either way a :class:`StoreError`, and the connection is closed and
+dropped. The hot path turns
 ``read_timeout`` off on the connections it keeps: with one set, asyncmy waits for
 every read through ``asyncio.wait_for`` (a task of its own each time) and skips its
 fast path for prepared statements' replies.
@@ -75,6 +76,8 @@ class _Prepared(Protocol):
 
 class _Connection(Protocol):
     _read_timeout: float | None
+
+    def close(self) -> None: ...
 
     @property
     def connected(self) -> bool: ...
@@ -167,30 +170,43 @@ class MySQLDriver(PostgresDriver):
                 stmt = cache[name] = await driver.prepare(MYSQL[name].sql)
             return stmt
 
+        # The operation's bound: a bare timer that hangs up on the server, rather than
+        # asyncio.timeout(), whose context manager costs several times the timer's
+        # own work per operation. A read the hang-up interrupts fails as a lost
+        # connection, which drops it (and the idle ones, as on any lost connection).
+        bound = self._timeout + _MARGIN
+        expired: list[bool] = []
+        timer = asyncio.get_running_loop().call_later(bound, _hang_up, driver, expired)
         try:
-            async with asyncio.timeout(self._timeout + _MARGIN):
-                result = await op(prepared)
-        except TimeoutError as exc:
-            # Cancelled mid-read: asyncmy has closed the connection (its stream is out
-            # of step). A server that answers nothing for this long is likely gone, so
-            # the idle connections go with it, as on a lost connection.
-            await self._discard(fairy, exc)
-            raise StoreError(
-                f"TimeoutError: no answer from the server within {self._timeout + _MARGIN:g}s"
-            ) from exc
+            result = await op(prepared)
         except MYSQL_ERRORS.errors as exc:
-            if not driver.connected or MYSQL_ERRORS.breaks(exc):
+            if expired or not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
             else:
                 self._checkin(fairy)
+            if expired:
+                raise StoreError(
+                    f"TimeoutError: no answer from the server within {bound:g}s"
+                ) from exc
             raise MYSQL_ERRORS.translate(exc) from exc
-        except BaseException:
+        except BaseException as exc:
             # Cancelled mid-statement: the protocol stream is out of step; drop it.
             fairy.invalidate()
             self._close_soon(fairy)
             self._release_slot()
+            if expired and isinstance(exc, Exception):  # asyncmy, on a connection closed
+                raise StoreError(
+                    f"TimeoutError: no answer from the server within {bound:g}s"
+                ) from exc
             raise
-        self._checkin(fairy)
+        finally:
+            timer.cancel()
+        if expired:  # the answer came in the same loop pass as the hang-up: kept, not reused
+            fairy.invalidate()
+            self._close_soon(fairy)
+            self._release_slot()
+        else:
+            self._checkin(fairy)
         return result
 
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
@@ -234,6 +250,17 @@ class MySQLDriver(PostgresDriver):
 
 def _driver(fairy: PoolProxiedConnection) -> _Connection:
     return cast(_Connection, fairy.driver_connection)
+
+
+def _hang_up(driver: _Connection, expired: list[bool]) -> None:
+    """A hot-path operation's time is up: close its connection under the pending read."""
+    expired.append(True)
+    # Aborted, not only closed: a close waits for unsent bytes, which a server that
+    # stopped reading would never take.
+    transport = getattr(driver, "_transport", None)
+    driver.close()
+    if transport is not None:
+        transport.abort()
 
 
 # Off the hot path.
