@@ -3,11 +3,16 @@
 ``BENCH_VARIANT`` picks the guard in front of the same handler:
 
 - ``none``: no guard (the ceiling);
-- ``pg`` / ``sqlite`` / ``memory``: :class:`IdempotencyMiddleware` on that store;
-- ``pg_batched``: the same on ``SQLStore(batching=True)``;
+- ``sqlite`` / ``memory`` / ``mariadb``: :class:`IdempotencyMiddleware` on that store
+  (``mariadb``: ``SQLStore`` on ``mariadb+asyncmy``);
+- ``postgres_batched`` / ``postgres_unbatched``: the same on ``SQLStore(batching=True)``
+  / ``SQLStore(batching=False)``, named by configuration rather than by the default;
 - ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
   one statement for a replay, 409 or 422, two for a first request, nothing else;
 - ``floor_sqlite``: the same guard on one raw aiosqlite connection;
+- ``floor_mariadb``: the same guard on raw asyncmy: a pool of autocommit connections,
+  the store's own statements (``INSERT IGNORE``, the ``SELECT`` of the row in the way
+  only when it did not insert, the fenced ``UPDATE``) as server-side prepared statements;
 - ``floor_memory``: the same guard on a dict: what any guard that buffers and
   captures costs in front of this handler, with no store I/O at all;
 - ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
@@ -16,7 +21,8 @@
 - ``peer_*``: another library's Redis-backed guard on the same route (``bench/peers.py``).
 
 The handler does no I/O of its own, so the guard's cost is what the numbers show.
-``BENCH_PG_URL`` (``postgresql://…``) and ``BENCH_SQLITE_PATH`` say where the stores live.
+``BENCH_PG_URL`` (``postgresql://…``), ``BENCH_MARIADB_URL`` (``mariadb+asyncmy://…``) and
+``BENCH_SQLITE_PATH`` say where the stores live.
 """
 
 from __future__ import annotations
@@ -196,6 +202,83 @@ class _SQLiteBackend:
         )
 
 
+# MariaDB: the statements of SQLStore's hot path (stores/statements.py, MYSQL), the
+# SELECT reading only what the floor answers from. No RETURNING on an insert that was
+# ignored, so a replay, 409 or 422 is two statements here, as it is for the store.
+MARIADB_CLAIM = """
+INSERT IGNORE INTO idempotency_records
+    (`key`, request_hash, status, token, created_at, locked_until, expires_at)
+VALUES (?, ?, 'in_progress', ?, ?, ?, ?)
+"""
+MARIADB_SELECT = """
+SELECT request_hash, status, response_status, response_headers, response_body
+FROM idempotency_records WHERE `key` = ?
+"""
+MARIADB_COMPLETE = """
+UPDATE idempotency_records SET status = 'completed', expires_at = ?, response_status = ?,
+       response_headers = ?, response_body = ?
+WHERE `key` = ? AND token = ? AND status = 'in_progress'
+"""
+
+
+def _naive_utc(t: datetime) -> datetime:
+    return t.astimezone(UTC).replace(tzinfo=None)
+
+
+class _MariaDBBackend:
+    """Raw asyncmy at its fairest: ``size`` autocommit connections handed out by a queue,
+    each with the three statements prepared once (server-side prepared statements:
+    ``python -m bench.mariadb_store`` compares them with the text protocol, and they
+    are the faster), and no ``read_timeout`` (with one, asyncmy waits for every read
+    through ``asyncio.wait_for`` and skips its fast path for prepared statements)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.free: asyncio.Queue[tuple[Any, Any, Any, Any]] = asyncio.Queue()
+        self.conns: list[Any] = []
+
+    async def start(self) -> None:
+        import asyncmy
+        from sqlalchemy.engine import make_url
+
+        u = make_url(self.url)
+        size = os.environ.get("BENCH_FLOOR_POOL_SIZE") or os.environ.get("BENCH_POOL_SIZE", "10")
+        for _ in range(int(size)):
+            conn = await asyncmy.connect(
+                host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                database=u.database, autocommit=True,
+            )  # fmt: skip
+            self.conns.append(conn)
+            sqls = (MARIADB_CLAIM, MARIADB_SELECT, MARIADB_COMPLETE)
+            stmts = [await conn.prepare(sql) for sql in sqls]  # type: ignore[no-untyped-call]
+            self.free.put_nowait((conn, *stmts))
+
+    async def stop(self) -> None:
+        for conn in self.conns:
+            await conn.ensure_closed()
+
+    async def claim(self, key: str, h: str, token: str, now: datetime) -> Any:
+        args = (key, h, token, _naive_utc(now), _naive_utc(now + LEASE), _naive_utc(now + TTL))
+        held = await self.free.get()
+        try:
+            if (await held[1].execute(args)).affected_rows == 1:
+                return (True,)
+            rows = (await held[2].execute((key,))).rows
+        finally:
+            self.free.put_nowait(held)
+        return (False, *rows[0]) if rows else (False, None, None)
+
+    async def complete(
+        self, key: str, token: str, status: int, headers: bytes, body: bytes
+    ) -> None:
+        expires = _naive_utc(datetime.now(UTC) + TTL)
+        held = await self.free.get()
+        try:
+            await held[3].execute((expires, status, headers, body, key, token))
+        finally:
+            self.free.put_nowait(held)
+
+
 # The floor's two Redis commands: as little as an atomic claim and a fenced completion can
 # do on a hash per key (the store's scripts do the same work, plus the take-over fields).
 REDIS_CLAIM = """
@@ -271,6 +354,9 @@ class _DictBackend:
         self.rows[key] = (self.rows[key][0], "completed", status, headers, body)
 
 
+Backend = _PgBackend | _SQLiteBackend | _DictBackend | _RedisBackend | _MariaDBBackend
+
+
 def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     return status, [(b"content-type", b"application/problem+json")], b'{"status":%d}' % status
 
@@ -278,9 +364,7 @@ def _problem(status: int) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
 class FloorGuard:
     """Claim, run, complete; replay, 409 or 422 from the claim's row. Nothing else."""
 
-    def __init__(
-        self, app: ASGIApp, backend: _PgBackend | _SQLiteBackend | _DictBackend | _RedisBackend
-    ) -> None:
+    def __init__(self, app: ASGIApp, backend: Backend) -> None:
         self.app, self.backend = app, backend
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -348,7 +432,11 @@ def create() -> Starlette:
     closers: list[Callable[[], Awaitable[None]]] = []
     starters: list[Callable[[], Awaitable[None]]] = []
 
-    if variant in ("pg", "pg_batched", "sqlite", "memory", "redis"):
+    mariadb_url = os.environ.get(
+        "BENCH_MARIADB_URL", "mariadb+asyncmy://root@127.0.0.1:3306/bench_idem"
+    )
+    stores = ("postgres_batched", "postgres_unbatched", "sqlite", "memory", "redis", "mariadb")
+    if variant in stores:
         from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
         from asgi_idempotency.stores.base import Store
 
@@ -359,10 +447,12 @@ def create() -> Starlette:
             from asgi_idempotency.stores.redis import RedisStore
 
             store = RedisStore(redis_url)
-        elif variant in ("pg", "pg_batched"):
+        elif variant in ("postgres_batched", "postgres_unbatched"):
             size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
             url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)
-            store = SQLStore(url, pool_size=size, batching=variant == "pg_batched")
+            store = SQLStore(url, pool_size=size, batching=variant == "postgres_batched")
+        elif variant == "mariadb":
+            store = SQLStore(mariadb_url, pool_size=int(os.environ.get("BENCH_POOL_SIZE", "10")))
         else:
             store = SQLStore(f"sqlite+aiosqlite:///{sqlite_path}")
         closers.append(store.close)
@@ -374,14 +464,16 @@ def create() -> Starlette:
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )
-    elif variant in ("floor_pg", "floor_sqlite", "floor_memory", "floor_redis"):
-        backend: _PgBackend | _SQLiteBackend | _DictBackend | _RedisBackend
+    elif variant in ("floor_pg", "floor_sqlite", "floor_memory", "floor_redis", "floor_mariadb"):
+        backend: Backend
         if variant == "floor_redis":
             backend = _RedisBackend(redis_url)
         elif variant == "floor_pg":
             backend = _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
         elif variant == "floor_sqlite":
             backend = _SQLiteBackend(sqlite_path)
+        elif variant == "floor_mariadb":
+            backend = _MariaDBBackend(mariadb_url)
         else:
             backend = _DictBackend()
         starters.append(backend.start)

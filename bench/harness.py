@@ -96,13 +96,30 @@ def run_wrk(
         "--timeout", "10s",
         "-s", str(HERE / "wrk" / "guard.lua"), server.base_url, "--", workload, nonce,
     ]  # fmt: skip
+    cpu_before = cpu_seconds(server.process.pid)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    cpu = cpu_seconds(server.process.pid) - cpu_before
     line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no result:\n{out}")
     data: dict[str, Any] = json.loads(line.removeprefix("BENCH_JSON "))
     data["rps"] = data["requests"] / (data["duration_us"] / 1e6)
+    # The app's own CPU per request: with two cores shared by the app, its store's
+    # server and wrk, req/s moves with the neighbours; CPU per request much less.
+    data["cpu_us"] = cpu * 1e6 / max(1, data["requests"])
     return data
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (``/proc/<pid>/stat``, Linux)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Fields after the command name, which is in parentheses and may hold spaces:
+    # utime and stime are the 14th and 15th fields of the whole line.
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 RESULTS = HERE / "results"

@@ -3,9 +3,17 @@
 Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
 one worker, loopback) in every variant at once, then drives them with wrk in
 alternating order, round after round, so that machine drift touches all alike. Prints
-req/s, p50 and p99 per variant and workload with ratios to the floor and to no guard,
-the round trips per outcome counted on the Postgres wire, and PASS/FAIL per target;
-writes ``bench/results/<stamp>.json``, ``latest.json`` and ``chart.png``.
+req/s, p50, p99 and the app process's CPU per request for each variant and workload,
+with ratios to its floor and to no guard; then each store against its own floor
+(fresh and replay), the round trips per outcome counted on the Postgres wire, and
+PASS/FAIL per target; writes ``bench/results/<stamp>.json``, ``latest.json`` and
+``chart.png``.
+
+Bounded: by default 12 variants x 3 workloads x 5 rounds x 5 s, plus the Postgres
+variants at one connection, about 20 minutes; ``--rounds``, ``--duration`` and
+``--variants`` shorten it. Needs Postgres (``--pg``), MariaDB (``--mariadb``; the
+benchmark creates and drops its own database on both) and ``redis-server`` on PATH
+(a throwaway one on a free loopback port) or ``BENCH_REDIS_URL``.
 """
 
 from __future__ import annotations
@@ -28,34 +36,43 @@ from asgi_idempotency._serve import UvicornProcess
 from bench import peers
 from bench.harness import RESULTS, ensure_wrk, log, prepare_postgres, run_wrk, start_server
 
+# Postgres variants are named by configuration, not as "the default": the library's
+# default can change, and a result must still say what it measured.
 VARIANTS = [
-    "none", "memory", "floor_memory", "pg", "pg_batched", "floor_pg", "sqlite", "floor_sqlite",
+    "none", "memory", "floor_memory", "postgres_batched", "postgres_unbatched", "floor_pg",
+    "sqlite", "floor_sqlite", "mariadb", "floor_mariadb", "redis", "floor_redis",
 ]  # fmt: skip
-# Run only when named in --variants (a redis-server on PATH, or BENCH_REDIS_URL); the
-# default run, its targets and its chart stay the seven above.
-# The peer_* variants are other libraries on the same redis-server (bench/peers.py),
-# pip-installed on demand into the running venv, never dependencies of the package.
-OPTIONAL = ["redis", "floor_redis", *peers.PEERS]
+# Run only when named in --variants: other libraries on the same redis-server
+# (bench/peers.py), pip-installed on demand into the running venv, never dependencies
+# of the package.
+OPTIONAL = [*peers.PEERS]
+POSTGRES = ("postgres_batched", "postgres_unbatched", "floor_pg")
+MARIADB = ("mariadb", "floor_mariadb")
 WORKLOADS = ["fresh", "replay", "mix"]
 # Fresh keys from one wrk connection: one request at a time, where batching must add
 # no latency. Run for these variants only, in every round.
 C1 = "fresh-c1"
-C1_VARIANTS = ("pg", "pg_batched", "floor_pg")
+C1_VARIANTS = ("postgres_unbatched", "postgres_batched", "floor_pg")
 # The ÷floor column. The memory store's target is against no guard; its floor (the same
 # minimal guard on a dict) shows how much of the gap any buffering guard pays.
 FLOOR = {
-    "pg": "floor_pg", "pg_batched": "floor_pg", "sqlite": "floor_sqlite", "memory": "floor_memory",
-    "redis": "floor_redis", **dict.fromkeys(peers.PEERS, "floor_redis"),
+    "postgres_batched": "floor_pg", "postgres_unbatched": "floor_pg", "sqlite": "floor_sqlite",
+    "memory": "floor_memory", "mariadb": "floor_mariadb", "redis": "floor_redis",
+    **dict.fromkeys(peers.PEERS, "floor_redis"),
 }  # fmt: skip
+# The stores, each against its own floor, in the report's order.
+STORES = ["memory", "sqlite", "postgres_batched", "postgres_unbatched", "mariadb", "redis"]
 LABELS = {
     "none": "no guard",
     "memory": "ours, memory",
     "floor_memory": "floor, dict",
-    "pg": "ours, Postgres",
-    "pg_batched": "ours, PG batched",
+    "postgres_batched": "ours, PG batched",
+    "postgres_unbatched": "ours, PG unbatched",
     "floor_pg": "floor, asyncpg",
     "sqlite": "ours, SQLite",
     "floor_sqlite": "floor, aiosqlite",
+    "mariadb": "ours, MariaDB",
+    "floor_mariadb": "floor, asyncmy",
     "redis": "ours, Redis",
     "floor_redis": "floor, redis-py",
     **{v: f"peer, {name}" for v, name in peers.LABELS.items()},
@@ -95,6 +112,47 @@ async def prepare_sqlite(path: str) -> None:
         await store.close()
 
 
+async def prepare_mariadb(url: str) -> None:
+    """Create database ``url`` afresh on MariaDB, with the schema (and its migration head)."""
+    from asgi_idempotency import SQLStore
+
+    await _mariadb_admin(url, "DROP DATABASE IF EXISTS `{}`", "CREATE DATABASE `{}`")
+    store = SQLStore(url)
+    try:
+        await store.create_all()
+    finally:
+        await store.close()
+
+
+async def drop_mariadb(url: str) -> None:
+    await _mariadb_admin(url, "DROP DATABASE IF EXISTS `{}`")
+
+
+async def _mariadb_admin(url: str, *statements: str) -> None:
+    import asyncmy
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    conn = await asyncmy.connect(
+        host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+        autocommit=True,
+    )  # fmt: skip
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute("SET sql_notes = 0")  # asyncmy logs DROP IF EXISTS's note
+            for statement in statements:
+                await cur.execute(statement.format(u.database))
+    finally:
+        await conn.ensure_closed()
+
+
+def postgres_default() -> str:
+    """The Postgres variant that is the library's default, read from the library."""
+    from asgi_idempotency.stores.postgres import DIALECT
+
+    return "postgres_batched" if DIALECT.batching else "postgres_unbatched"
+
+
 # ---------------------------------------------------------------------------------------
 # Round trips, counted on the Postgres wire (pgwire.WireCounter), per outcome.
 
@@ -114,7 +172,7 @@ async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]
     out: dict[str, dict[str, list[list[str]]]] = {}
     async with WireCounter(host, int(port or 5432)) as wire:
         proxied = pg_url.replace(host_port, f"127.0.0.1:{wire.port}") + "?ssl=disable"
-        for variant in ("pg", "floor_pg"):
+        for variant in ("postgres_unbatched", "floor_pg"):
             os.environ["BENCH_VARIANT"] = variant
             os.environ["BENCH_PG_URL"] = proxied
             asgi = bench_app.create()
@@ -174,6 +232,8 @@ def summarize(cells: dict[tuple[str, str], list[dict[str, Any]]]) -> dict[str, A
             "rounds": [round(r["rps"]) for r in runs],
             "p99_rounds_ms": [r["p99_us"] / 1000 for r in runs],
             "p50_rounds_ms": [r["p50_us"] / 1000 for r in runs],
+            "cpu_us": statistics.median(r["cpu_us"] for r in runs),
+            "cpu_rounds_us": [r["cpu_us"] for r in runs],
             "statuses": statuses,
             "socket_errors": sum(r["socket_errors"] for r in runs),
         }
@@ -199,26 +259,26 @@ def check_targets(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
         return paired_ratio(table, workload, a, b, key)
 
     for workload in ("fresh", "replay"):
-        r = ratio(workload, "pg", "floor_pg")
-        checks.append((f"Postgres {workload}: req/s >= 0.9x floor", r >= 0.9, f"{r:.2f}x"))
+        r = ratio(workload, "postgres_unbatched", "floor_pg")
+        checks.append((f"PG unbatched {workload}: req/s >= 0.9x floor", r >= 0.9, f"{r:.2f}x"))
     for workload in ("fresh", "replay", "mix"):
-        r = ratio(workload, "pg", "floor_pg", "p99_rounds_ms")
-        checks.append((f"Postgres {workload}: p99 <= 1.2x floor", r <= 1.2, f"{r:.2f}x"))
+        r = ratio(workload, "postgres_unbatched", "floor_pg", "p99_rounds_ms")
+        checks.append((f"PG unbatched {workload}: p99 <= 1.2x floor", r <= 1.2, f"{r:.2f}x"))
     for workload in WORKLOADS:
         r = ratio(workload, "sqlite", "floor_sqlite")
         checks.append((f"SQLite {workload}: req/s >= 0.9x aiosqlite floor", r >= 0.9, f"{r:.2f}x"))
     # Issue #14, the batched Postgres store (its c1 p50 target: python -m bench.batching).
-    r = ratio("fresh", "pg_batched", "memory")
+    r = ratio("fresh", "postgres_batched", "memory")
     checks.append(("PG batched fresh: req/s >= 0.9x ours on memory", r >= 0.9, f"{r:.2f}x"))
-    r = ratio("fresh", "pg_batched", "floor_pg")
+    r = ratio("fresh", "postgres_batched", "floor_pg")
     checks.append(("PG batched fresh: req/s >= 1.3x floor", r >= 1.3, f"{r:.2f}x"))
-    r = ratio("replay", "pg_batched", "floor_pg")
+    r = ratio("replay", "postgres_batched", "floor_pg")
     checks.append(("PG batched replay: req/s >= 1.0x floor", r >= 1.0, f"{r:.2f}x"))
     for workload in WORKLOADS:
-        r = ratio(workload, "pg_batched", "floor_pg", "p99_rounds_ms")
+        r = ratio(workload, "postgres_batched", "floor_pg", "p99_rounds_ms")
         checks.append((f"PG batched {workload}: p99 <= floor's", r <= 1.0, f"{r:.2f}x"))
-    if {"pg_batched", "floor_pg"} <= set(table.get(C1, {})):
-        r = ratio(C1, "pg_batched", "floor_pg", "p50_rounds_ms")
+    if {"postgres_batched", "floor_pg"} <= set(table.get(C1, {})):
+        r = ratio(C1, "postgres_batched", "floor_pg", "p50_rounds_ms")
         checks.append(("PG batched p50 at 1 connection <= 1.1x floor's", r <= 1.1, f"{r:.2f}x"))
     # Restated in #14: against the same minimal guard on a dict, not against no guard
     # (below the floor of any guard that buffers and captures in Python).
@@ -252,7 +312,7 @@ def check_redis(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
 def print_table(table: dict[str, Any]) -> None:
     log("")
     log(f"{'workload':8} {'variant':18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'÷floor':>7} {'÷none':>7}  rounds (req/s)        statuses")  # fmt: skip
+        f"{'÷floor':>7} {'÷none':>7} {'CPU µs':>7}  rounds (req/s)        statuses")  # fmt: skip
     for workload in (w for w in [*WORKLOADS, C1] if w in table):
         row = table[workload]
         for variant in (v for v in VARIANTS + OPTIONAL if v in row):
@@ -266,15 +326,55 @@ def print_table(table: dict[str, Any]) -> None:
             )
             statuses = " ".join(f"{k}:{v}" for k, v in sorted(c["statuses"].items()))
             log(f"{workload:8} {LABELS[variant]:18} {c['rps']:8.0f} {c['p50_ms']:8.2f} "
-                f"{c['p99_ms']:8.2f} {vs_floor:>7} {vs_none:>7}  "
+                f"{c['p99_ms']:8.2f} {vs_floor:>7} {vs_none:>7} {c['cpu_us']:7.0f}  "
                 f"{c['rounds']!s:22} {statuses}")  # fmt: skip
         log("")
 
 
+def store_report(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each store that ran against its own floor: fresh and replay req/s, the medians of
+    the per-round ratios, and the app's CPU per request (ours, the floor's)."""
+    rows = []
+    for store in STORES:
+        floor = FLOOR[store]
+        row: dict[str, Any] = {"store": store, "floor": floor}
+        for workload in ("fresh", "replay"):
+            cells = table.get(workload, {})
+            if not {store, floor} <= set(cells):
+                break
+            row[workload] = {
+                "rps": cells[store]["rps"],
+                "floor_rps": cells[floor]["rps"],
+                "ratio": paired_ratio(table, workload, store, floor),
+                "cpu_us": cells[store]["cpu_us"],
+                "floor_cpu_us": cells[floor]["cpu_us"],
+                "cpu_ratio": paired_ratio(table, workload, store, floor, "cpu_rounds_us"),
+            }
+        else:
+            rows.append(row)
+    return rows
+
+
+def print_store_report(rows: list[dict[str, Any]]) -> None:
+    log("Each store against its own floor (req/s: medians of rounds; ÷floor: medians of")
+    log("per-round ratios; CPU: the app process's utime+stime per request, ours / floor's):")
+    log(f"  {'store':20} {'floor':18} {'fresh':>6} {'÷floor':>6} {'CPU µs':>11}   "
+        f"{'replay':>6} {'÷floor':>6} {'CPU µs':>11}")  # fmt: skip
+    default = postgres_default()
+    for row in rows:
+        f, r = row["fresh"], row["replay"]
+        label = LABELS[row["store"]] + (" *" if row["store"] == default else "")
+        log(f"  {label:20} {LABELS[row['floor']]:18} {f['rps']:6.0f} {f['ratio']:5.2f}x "
+            f"{f['cpu_us']:5.0f} / {f['floor_cpu_us']:<5.0f} {r['rps']:6.0f} {r['ratio']:5.2f}x "
+            f"{r['cpu_us']:5.0f} / {r['floor_cpu_us']:<5.0f}")  # fmt: skip
+    log(f"  * the library's default on Postgres ({default}, read from the library)")
+    log("")
+
+
 def print_round_trips(trips: dict[str, dict[str, list[list[str]]]]) -> None:
-    log("Round trips per outcome on the Postgres wire (statements in each; no BEGIN/COMMIT):")
+    log("Round trips per outcome on the Postgres wire, unbatched (statements in each; no BEGIN):")
     log(f"  {'outcome':20} {'ours':>4}  {'floor':>5}   ours' statements")
-    for outcome, ours in trips["pg"].items():
+    for outcome, ours in trips["postgres_unbatched"].items():
         floor = trips["floor_pg"][outcome]
         stmts = " | ".join("+".join(rt) for rt in ours) or "-"
         log(f"  {outcome:20} {len(ours):>4}  {len(floor):>5}   {stmts}")
@@ -289,9 +389,7 @@ def chart(table: dict[str, Any], path: Path, stamp: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 3.4), dpi=80)
     width = 0.8 / len(VARIANTS)
-    colors = [
-        "#888888", "#2ca02c", "#98df8a", "#1f77b4", "#17becf", "#aec7e8", "#d62728", "#ff9896",
-    ]  # fmt: skip
+    colors = [plt.get_cmap("tab20")(i) for i in range(len(VARIANTS))]
     middle = (len(VARIANTS) - 1) / 2
     for i, variant in enumerate(VARIANTS):
         xs = [w + (i - middle) * width for w in range(len(WORKLOADS))]
@@ -302,7 +400,7 @@ def chart(table: dict[str, Any], path: Path, stamp: str) -> None:
     ax.set_title(f"asgi-idempotency, uvicorn 1 worker, wrk on loopback ({stamp})", fontsize=9)
     top = max(table[w][v]["rps"] for w in WORKLOADS for v in VARIANTS)
     ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
-    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    ax.legend(fontsize=7, ncol=6, loc="upper center")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -337,6 +435,12 @@ def main() -> None:
         "--pg",
         default=os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/bench_idem"),
     )
+    ap.add_argument(
+        "--mariadb",
+        default=os.environ.get(
+            "BENCH_MARIADB_URL", "mariadb+asyncmy://root@127.0.0.1:3306/bench_idem"
+        ),
+    )
     ap.add_argument("--scale", action="store_true", help="also run the 10M-row scale checks (slow)")
     ap.add_argument("--no-chart", action="store_true")
     ap.add_argument(
@@ -355,16 +459,20 @@ def main() -> None:
     wrk = ensure_wrk()
     admin_url = args.pg.rsplit("/", 1)[0] + "/postgres"
     asyncio.run(prepare_postgres(admin_url, args.pg))
+    if set(variants) & set(MARIADB):
+        asyncio.run(prepare_mariadb(args.mariadb))
     tmp = Path(tempfile.mkdtemp(prefix="bench_idem_"))
     env = {
         "BENCH_PG_URL": args.pg,
+        "BENCH_MARIADB_URL": args.mariadb,
         "BENCH_GC_FREEZE": "0" if args.no_gc_freeze else "1",
         # The fair floor (issue #14): one pool connection per load connection.
         "BENCH_FLOOR_POOL_SIZE": str(args.connections),
     }
     servers: dict[str, UvicornProcess] = {}
     with contextlib.ExitStack() as stack:
-        if set(variants) & set(OPTIONAL) and "BENCH_REDIS_URL" not in os.environ:
+        redis_variants = {"redis", "floor_redis", *OPTIONAL}
+        if set(variants) & redis_variants and "BENCH_REDIS_URL" not in os.environ:
             from bench.redis_server import redis_server
 
             env["BENCH_REDIS_URL"] = stack.enter_context(redis_server(tmp / "redis"))
@@ -400,11 +508,12 @@ def main() -> None:
                         duration=args.duration, connections=args.connections, threads=args.threads,
                     )  # fmt: skip
                     cells.setdefault((workload, variant), []).append(result)
-                    if variant in ("pg", "pg_batched", "floor_pg"):
+                    if variant in POSTGRES:
                         asyncio.run(settle_postgres(args.pg))
-                    log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:12} "
+                    log(f"round {rnd + 1}/{args.rounds} {workload:6} {variant:18} "
                         f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms  "
-                        f"p99 {result['p99_us'] / 1000:6.2f} ms")  # fmt: skip
+                        f"p99 {result['p99_us'] / 1000:6.2f} ms  "
+                        f"CPU {result['cpu_us']:5.0f} µs/req")  # fmt: skip
             c1 = [v for v in C1_VARIANTS if v in variants]
             if "fresh" in workloads:
                 for variant in c1 if rnd % 2 == 0 else c1[::-1]:
@@ -414,9 +523,13 @@ def main() -> None:
                     )  # fmt: skip
                     cells.setdefault((C1, variant), []).append(result)
                     asyncio.run(settle_postgres(args.pg))
-                    log(f"round {rnd + 1}/{args.rounds} {C1} {variant:12} "
-                        f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms")
+                    log(
+                        f"round {rnd + 1}/{args.rounds} {C1} {variant:18} "
+                        f"{result['rps']:7.0f} req/s  p50 {result['p50_us'] / 1000:6.2f} ms"
+                    )
 
+    if set(variants) & set(MARIADB):
+        asyncio.run(drop_mariadb(args.mariadb))
     table = summarize(cells)
     trips = asyncio.run(count_round_trips(args.pg))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -426,6 +539,8 @@ def main() -> None:
         f"{args.rounds} alternating rounds; medians, and ratios as medians of per-round ratios"
     )
     print_table(table)
+    stores = store_report(table)
+    print_store_report(stores)
     print_round_trips(trips)
 
     complete = all(v in variants for v in VARIANTS) and all(w in workloads for w in WORKLOADS)
@@ -433,7 +548,7 @@ def main() -> None:
     for name, ok, value in checks:
         log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value}")
     budget_ok = all(
-        len(trips["pg"][o]) == n
+        len(trips["postgres_unbatched"][o]) == n
         for o, n in {
             "fresh": 2,
             "replay": 1,
@@ -443,9 +558,12 @@ def main() -> None:
             "GET": 0,
         }.items()
     ) and not any(
-        v in ("BEGIN", "COMMIT") for rts in trips["pg"].values() for rt in rts for v in rt
+        v in ("BEGIN", "COMMIT")
+        for rts in trips["postgres_unbatched"].values()
+        for rt in rts
+        for v in rt
     )
-    budget = "Postgres round trips: 2 / 1 / 1 / 1 / 0, no BEGIN"
+    budget = "PG unbatched round trips: 2 / 1 / 1 / 1 / 0, no BEGIN"
     log(f"{'PASS' if budget_ok else 'FAIL'}  {budget:48}")
 
     scale: dict[str, Any] | None = None
@@ -460,6 +578,8 @@ def main() -> None:
         "machine": machine(),
         "settings": vars(args),
         "table": table,
+        "stores": stores,
+        "postgres_default": postgres_default(),
         "round_trips": trips,
         "targets": [{"target": n, "pass": ok, "value": v} for n, ok, v in checks]
         + [{"target": "Postgres round trips", "pass": budget_ok, "value": ""}],

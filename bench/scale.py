@@ -62,7 +62,7 @@ def run(pg_url: str, wrk: str, *, connections: int, threads: int) -> dict[str, A
         finally:
             await conn.close()
 
-    with harness.start_server("pg", env, log_dir) as server:
+    with harness.start_server("postgres_unbatched", env, log_dir) as server:
         load(server, 5)
         asyncio.run(checkpoint())
         empty = load(server, 10)

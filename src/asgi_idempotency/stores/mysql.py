@@ -20,13 +20,20 @@ engine never gets an autocommit connection it did not ask for.
 
 Timeouts: on an engine the store builds, each connection gets the server-side
 limits (:func:`session_limits`), so the server abandons a statement that runs past
-``command_timeout`` (rolled back, never committed after the client's 503), and
-asyncmy's ``read_timeout`` a second later is the backstop for a server that does not
-answer at all (the connection is then closed and dropped).
+``command_timeout`` (rolled back, never committed after the client's 503). The
+backstop for a server that does not answer at all is a second later, so that the
+server's own limit answers first: on the hot path, one timer around each operation
+that closes the connection when it fires; on SQLAlchemy's own connections, asyncmy's
+``read_timeout``. Either way a :class:`StoreError`, and the connection is closed and
+dropped. The hot path turns
+``read_timeout`` off on the connections it keeps: with one set, asyncmy waits for
+every read through ``asyncio.wait_for`` (a task of its own each time) and skips its
+fast path for prepared statements' replies.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, cast
@@ -68,6 +75,10 @@ class _Prepared(Protocol):
 
 
 class _Connection(Protocol):
+    _read_timeout: float | None
+
+    def close(self) -> None: ...
+
     @property
     def connected(self) -> bool: ...
 
@@ -80,6 +91,11 @@ class _Connection(Protocol):
 
 # The prepared statements of one driver connection, in its pool record's ``info``.
 _PREPARED = "asgi_idempotency.mysql.prepared"
+
+# How long past command_timeout the client waits for the server: the server's own
+# limits (session_limits) end a slow statement at command_timeout with an error that
+# leaves the connection usable; the client's bound only ends a silent server.
+_MARGIN = 1.0
 
 # What INSERT IGNORE would truncate silently (strict mode refuses it; IGNORE turns the
 # refusal into a warning): checked before the statement, as Postgres' VARCHAR(n) does.
@@ -117,6 +133,10 @@ class MySQLDriver(PostgresDriver):
             # Once per connection: every hot-path statement then commits by itself.
             if not driver.get_autocommit():
                 await driver.autocommit(True)
+            # Bounded by _run_mysql instead (see the module's docstring). Never back
+            # in SQLAlchemy's pool (_close_soon), so its Core work keeps the backstop.
+            if getattr(driver, "_read_timeout", None) is not None:
+                driver._read_timeout = None
         except BaseException as exc:
             fairy.invalidate()
             await greenlet_spawn(fairy.close)
@@ -153,21 +173,43 @@ class MySQLDriver(PostgresDriver):
                 stmt = cache[name] = await driver.prepare(MYSQL[name].sql)
             return stmt
 
+        # The operation's bound: a bare timer that hangs up on the server, rather than
+        # asyncio.timeout(), whose context manager costs several times the timer's
+        # own work per operation. A read the hang-up interrupts fails as a lost
+        # connection, which drops it (and the idle ones, as on any lost connection).
+        bound = self._timeout + _MARGIN
+        expired: list[bool] = []
+        timer = asyncio.get_running_loop().call_later(bound, _hang_up, driver, expired)
         try:
             result = await op(prepared)
         except MYSQL_ERRORS.errors as exc:
-            if not driver.connected or MYSQL_ERRORS.breaks(exc):
+            if expired or not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
             else:
                 self._checkin(fairy)
+            if expired:
+                raise StoreError(
+                    f"TimeoutError: no answer from the server within {bound:g}s"
+                ) from exc
             raise MYSQL_ERRORS.translate(exc) from exc
-        except BaseException:
+        except BaseException as exc:
             # Cancelled mid-statement: the protocol stream is out of step; drop it.
             fairy.invalidate()
             self._close_soon(fairy)
             self._release_slot()
+            if expired and isinstance(exc, Exception):  # asyncmy, on a connection closed
+                raise StoreError(
+                    f"TimeoutError: no answer from the server within {bound:g}s"
+                ) from exc
             raise
-        self._checkin(fairy)
+        finally:
+            timer.cancel()
+        if expired:  # the answer came in the same loop pass as the hang-up: kept, not reused
+            fairy.invalidate()
+            self._close_soon(fairy)
+            self._release_slot()
+        else:
+            self._checkin(fairy)
         return result
 
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
@@ -211,6 +253,17 @@ class MySQLDriver(PostgresDriver):
 
 def _driver(fairy: PoolProxiedConnection) -> _Connection:
     return cast(_Connection, fairy.driver_connection)
+
+
+def _hang_up(driver: _Connection, expired: list[bool]) -> None:
+    """A hot-path operation's time is up: close its connection under the pending read."""
+    expired.append(True)
+    # Aborted, not only closed: a close waits for unsent bytes, which a server that
+    # stopped reading would never take.
+    transport = getattr(driver, "_transport", None)
+    driver.close()
+    if transport is not None:
+        transport.abort()
 
 
 # Off the hot path.
@@ -307,11 +360,12 @@ def connect_args(command_timeout: float) -> dict[str, Any]:
 
     ``read_timeout`` is a second past ``command_timeout`` so that the server's own
     limit (:func:`session_limits`) answers first and the connection stays usable; it
-    fires only when the server does not answer at all, and closes the connection.
+    fires only when the server does not answer at all, and closes the connection. The
+    hot path turns it off on the connections it keeps and bounds each operation itself.
     """
     return {
         "connect_timeout": max(1, math.ceil(command_timeout)),
-        "read_timeout": command_timeout + 1.0,
+        "read_timeout": command_timeout + _MARGIN,
     }
 
 
