@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
+        BUSY,
         Bucket,
         Capabilities,
         NewClaim,
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from .stores.sql import SQLStore
 
 __all__ = [
+    "BUSY",
     "BodyTooLarge",
     "Bucket",
     "CanonicalJSONError",
@@ -144,6 +146,7 @@ _WHERE = {
     "Claim": ".lifecycle",
     "ClaimOutcome": ".lifecycle",
     "RecordState": ".lifecycle",
+    "BUSY": ".stores.base",
     "Bucket": ".stores.base",
     "Capabilities": ".stores.base",
     "NewClaim": ".stores.base",

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import Scope
 
 from asgi_idempotency import (
+    BUSY,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -108,7 +109,7 @@ from asgi_idempotency.principals import (
     from_session,
     from_user,
 )
-from asgi_idempotency.stores.base import BUSY, Busy
+from asgi_idempotency.stores.base import Busy
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
