@@ -9,6 +9,8 @@ hand such a claim to :func:`lifecycle.release_orphan`; the next attempt runs.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,6 +27,7 @@ from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.once import record_key
 from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, Store
+from asgi_idempotency.stores.memory import MemoryStore
 
 pytestmark = pytest.mark.anyio
 
@@ -161,3 +164,54 @@ async def test_a_request_cancelled_between_its_claim_and_its_handler_leaves_the_
         await gone(store, scoped_key("", "order-8", "shop.test"))
         retry = await client.post("/refunds", json={"a": 1}, headers=headers)
     assert (retry.status_code, runs) == (201, 1)
+
+
+class SignalsInsert(MemoryStore):
+    """A memory store that says, across threads, when a claim's insert has answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inserted = threading.Event()
+
+    async def insert(self, new: NewClaim) -> Record | None:
+        found = await super().insert(new)
+        self.inserted.set()
+        return found
+
+
+async def test_a_call_cancelled_as_its_claim_comes_back_across_loops_leaves_the_key_free() -> None:
+    # Once a synchronous call has started the guard's own loop, async calls claim there
+    # too, and the answer crosses back to the caller's loop. A caller cancelled after
+    # the claim was answered as its own, before the answer reached it, never runs the
+    # function: the claim must not stay in progress, renewed, for as long as the
+    # process lives.
+    store = SignalsInsert()
+    once = Once(store, namespace="crossing")
+    runs = 0
+
+    @once(key=lambda order: order)
+    def warm_up(order: str) -> str:
+        return order
+
+    @once(key=lambda order: order)
+    async def refund(order: str) -> int:
+        nonlocal runs
+        runs += 1
+        return runs
+
+    try:
+        await asyncio.to_thread(warm_up, "warm-up")  # starts the guard's loop
+        store.inserted.clear()
+        first = asyncio.create_task(refund("order-7"))
+        await asyncio.sleep(0)  # it sends its claim to the guard's loop and waits
+        # This loop stays blocked (so the answer cannot reach the call) until the claim
+        # was answered over there and its result settled.
+        assert store.inserted.wait(WAIT)
+        time.sleep(0.1)  # noqa: ASYNC251  # blocking on purpose: see above
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await gone(store, record_key("crossing", "order-7"))
+        assert (await refund("order-7"), runs) == (1, 1)
+    finally:
+        once.close()

@@ -326,7 +326,7 @@ class Once:
         with tracing.function_span(call.namespace, call.function) as opened:
             span = self._recording(call, opened)
             try:
-                got = await self._on_store_loop(self._claim(call, span))
+                got = await self._claim_on_store_loop(call, span)
             except Exception as exc:
                 self._refused(call, span, exc)
                 raise
@@ -542,6 +542,41 @@ class Once:
         if thread is None or asyncio.get_running_loop() is thread.loop:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, thread.loop))
+
+    async def _claim_on_store_loop(self, call: _Call, span: Any) -> bytes | _Owned:
+        """:meth:`_claim` on the loop that drives the store, for an async call.
+
+        Across loops, the answer reaches the caller one hop after the claim was decided.
+        A caller cancelled within that hop never hears that the claim is its own, and its
+        function never runs: the claim is released there (token-fenced), where otherwise
+        it would stay in progress, renewed, for as long as the guard's loop runs. A
+        cancellation that reaches the claim while it is still in flight is the
+        lifecycle's (``orphaned``).
+        """
+        thread = self._thread
+        if thread is None or asyncio.get_running_loop() is thread.loop:
+            return await self._claim(call, span)
+        claimed = asyncio.run_coroutine_threadsafe(self._claim(call, span), thread.loop)
+        try:
+            return await asyncio.wrap_future(claimed)
+        except asyncio.CancelledError:
+            claimed.add_done_callback(functools.partial(self._unheard, call, thread.loop))
+            raise
+
+    def _unheard(
+        self, call: _Call, loop: asyncio.AbstractEventLoop, claimed: Future[bytes | _Owned]
+    ) -> None:
+        # Any thread: the claim's future settles on the guard's loop, or had already.
+        if claimed.cancelled() or claimed.exception() is not None:
+            return
+        got = claimed.result()
+        if isinstance(got, _Owned):
+            loop.call_soon_threadsafe(self._release_unheard, call, got)
+
+    def _release_unheard(self, call: _Call, owned: _Owned) -> None:
+        task = asyncio.ensure_future(self._release(call, owned))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _on_loop_of_store(self, fn: Callable[..., None], *args: Any) -> None:
         thread = self._thread
