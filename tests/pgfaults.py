@@ -17,48 +17,28 @@ Nothing of Postgres is imitated: the server is real, only the wire between is fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import struct
+
+from tests.pgwire import LoopbackProxy
 
 __all__ = ["FaultProxy"]
 
 _CANCEL_REQUEST = 80877102
 
 
-class FaultProxy:
+class FaultProxy(LoopbackProxy):
     def __init__(self, upstream_host: str = "127.0.0.1", upstream_port: int = 5432) -> None:
-        self.upstream = (upstream_host, upstream_port)
-        self.port = 0
+        super().__init__(upstream_host, upstream_port)
         self.drop_cancels = False
         self.cancels_dropped = 0
         self.cuts = 0  # statements whose answer was swallowed and connection cut
         self._cut_marker: str | None = None
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def cut_after(self, marker: str) -> None:
         """Cut the connection of the next statement containing ``marker``, after it ran."""
         self._cut_marker = marker
 
-    async def __aenter__(self) -> FaultProxy:
-        self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
-        await self._server.wait_closed()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readexactly(8)
             (code,) = struct.unpack_from("!i", head, 4)
@@ -76,8 +56,6 @@ class FaultProxy:
             await _Link(self, reader, writer, up_reader, up_writer).run()
         except (OSError, asyncio.IncompleteReadError):
             writer.close()
-        finally:
-            self._tasks.discard(task)
 
 
 class _Link:

@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import struct
 from dataclasses import dataclass, field
+from typing import Self
 
-__all__ = ["RoundTrip", "WireCounter"]
+__all__ = ["LoopbackProxy", "RoundTrip", "WireCounter"]
 
 _SSL_REQUEST = 80877103
 _GSS_REQUEST = 80877104
@@ -89,25 +90,18 @@ class _Session:
         self.current = RoundTrip()
 
 
-class WireCounter:
-    """``async with WireCounter(port=5432) as wc:`` then connect to ``127.0.0.1:wc.port``.
-
-    ``wc.trips`` lists every round trip since start or the last :meth:`reset`.
-    """
+class LoopbackProxy:
+    """A TCP server on a free loopback port in front of ``upstream``: ``async with`` it,
+    then connect to ``127.0.0.1:proxy.port``. Each client connection is served by
+    :meth:`_serve` in a task of its own; leaving the block stops them all."""
 
     def __init__(self, upstream_host: str = "127.0.0.1", upstream_port: int = 5432) -> None:
         self.upstream = (upstream_host, upstream_port)
-        self.trips: list[RoundTrip] = []
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def reset(self) -> list[RoundTrip]:
-        """Return the round trips so far and start counting afresh."""
-        trips, self.trips = self.trips, []
-        return trips
-
-    async def __aenter__(self) -> WireCounter:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._client, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -126,12 +120,36 @@ class WireCounter:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        try:
+            await self._serve(reader, writer)
+        finally:
+            self._tasks.discard(task)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class WireCounter(LoopbackProxy):
+    """``async with WireCounter(port=5432) as wc:`` then connect to ``127.0.0.1:wc.port``.
+
+    ``wc.trips`` lists every round trip since start or the last :meth:`reset`.
+    """
+
+    def __init__(self, upstream_host: str = "127.0.0.1", upstream_port: int = 5432) -> None:
+        super().__init__(upstream_host, upstream_port)
+        self.trips: list[RoundTrip] = []
+
+    def reset(self) -> list[RoundTrip]:
+        """Return the round trips so far and start counting afresh."""
+        trips, self.trips = self.trips, []
+        return trips
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = _Session(self)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             writer.close()
-            self._tasks.discard(task)
             return
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, parse: bool) -> None:
@@ -146,7 +164,4 @@ class WireCounter:
             finally:
                 dst.close()
 
-        try:
-            await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
-        finally:
-            self._tasks.discard(task)
+        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))

@@ -11,10 +11,8 @@ from a loopback proxy (:mod:`tests.pgfaults`).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,30 +20,18 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, StoredResponse, lifecycle
+from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, lifecycle
 from asgi_idempotency.errors import StoreError
 from asgi_idempotency.lifecycle import Claim
 from asgi_idempotency.stores.base import NewClaim
-from asgi_idempotency.stores.postgres_batched import BatchingPostgresDriver
-from tests.conftest import truncate
+from tests.conftest import emptied
 from tests.pgfaults import FaultProxy
+from tests.stores.test_batching import LEASE, RESPONSE, TTL, driver, k, tok
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
 
-LEASE = timedelta(seconds=30)
-TTL = timedelta(hours=24)
-RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')
 # Short, so that a test that waits for it fails fast; long against a lock wait.
 COMMAND_TIMEOUT = 3.0
-
-
-def tok() -> str:
-    return uuid.uuid4().hex
-
-
-def k(name: str) -> str:
-    """A 64-character key, as the middleware's scoped keys are (sha256 hex)."""
-    return hashlib.sha256(name.encode()).hexdigest()
 
 
 def now() -> datetime:
@@ -67,12 +53,6 @@ async def claim(
     )  # fmt: skip
 
 
-def driver(store: SQLStore) -> BatchingPostgresDriver:
-    d = store._driver
-    assert isinstance(d, BatchingPostgresDriver)
-    return d
-
-
 def dsn(pg_url: str) -> str:
     return make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -82,15 +62,9 @@ def proxied(pg_url: str, port: int) -> str:
     return url.render_as_string(hide_password=False)
 
 
-@asynccontextmanager
-async def batched_store(url: str, **kwargs: Any) -> AsyncIterator[SQLStore]:
+def batched_store(url: str, **kwargs: Any) -> AbstractAsyncContextManager[SQLStore]:
     kwargs.setdefault("command_timeout", COMMAND_TIMEOUT)
-    store = SQLStore(url, batching=kwargs.pop("batching", True), **kwargs)
-    await truncate(store)
-    try:
-        yield store
-    finally:
-        await store.close()
+    return emptied(SQLStore(url, batching=kwargs.pop("batching", True), **kwargs))
 
 
 @pytest.fixture
