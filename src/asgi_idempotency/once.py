@@ -326,7 +326,9 @@ class Once:
         with tracing.function_span(call.namespace, call.function) as opened:
             span = self._recording(call, opened)
             try:
-                got = await self._claim_on_store_loop(call, span)
+                got = await self._on_store_loop(
+                    self._claim(call, span), unheard=functools.partial(self._unheard, call)
+                )
             except Exception as exc:
                 self._refused(call, span, exc)
                 raise
@@ -532,50 +534,38 @@ class Once:
                 self._thread = _LoopThread()
             return self._thread
 
-    async def _on_store_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    async def _on_store_loop(
+        self, coro: Coroutine[Any, Any, T], unheard: Callable[[T], None] | None = None
+    ) -> T:
         """Await ``coro`` on the loop that drives the store.
 
         The caller's loop, until synchronous calls have started this guard's own loop;
-        from then on that one, so that the store never serves two loops at once.
+        from then on that one, so that the store never serves two loops at once. Across
+        loops, ``unheard`` is given ``coro``'s result, on the guard's loop, when the
+        caller was cancelled before that result reached it.
         """
         thread = self._thread
         if thread is None or asyncio.get_running_loop() is thread.loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, thread.loop))
-
-    async def _claim_on_store_loop(self, call: _Call, span: Any) -> bytes | _Owned:
-        """:meth:`_claim` on the loop that drives the store, for an async call.
-
-        Across loops, the answer reaches the caller one hop after the claim was decided.
-        A caller cancelled within that hop never hears that the claim is its own, and its
-        function never runs: the claim is released there (token-fenced), where otherwise
-        it would stay in progress, renewed, for as long as the guard's loop runs. A
-        cancellation that reaches the claim while it is still in flight is the
-        lifecycle's (``orphaned``).
-        """
-        thread = self._thread
-        if thread is None or asyncio.get_running_loop() is thread.loop:
-            return await self._claim(call, span)
-        claimed = asyncio.run_coroutine_threadsafe(self._claim(call, span), thread.loop)
+        answer = asyncio.run_coroutine_threadsafe(coro, thread.loop)
         try:
-            return await asyncio.wrap_future(claimed)
+            return await asyncio.wrap_future(answer)
         except asyncio.CancelledError:
-            claimed.add_done_callback(functools.partial(self._unheard, call, thread.loop))
+            if unheard is not None:
+                # The answer crosses one hop after it was decided: a caller cancelled
+                # within it never hears it. Handed over on the guard's loop.
+                answer.add_done_callback(functools.partial(_settled, thread.loop, unheard))
             raise
 
-    def _unheard(
-        self, call: _Call, loop: asyncio.AbstractEventLoop, claimed: Future[bytes | _Owned]
-    ) -> None:
-        # Any thread: the claim's future settles on the guard's loop, or had already.
-        if claimed.cancelled() or claimed.exception() is not None:
-            return
-        got = claimed.result()
+    def _unheard(self, call: _Call, got: bytes | _Owned) -> None:
+        """A claim decided on the guard's loop whose caller was cancelled before the
+        answer reached it: the function never runs, so a claim that is the caller's is
+        released (token-fenced), where otherwise it would stay in progress, renewed, for
+        as long as the guard's loop runs. (A cancellation that reaches the claim while
+        it is still in flight is the lifecycle's: ``orphaned``.)"""
         if isinstance(got, _Owned):
-            loop.call_soon_threadsafe(self._release_unheard, call, got)
-
-    def _release_unheard(self, call: _Call, owned: _Owned) -> None:
-        task = asyncio.ensure_future(self._release(call, owned))
-        self._background.add(task)
+            task = asyncio.ensure_future(self._release(call, got))
+            self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     def _on_loop_of_store(self, fn: Callable[..., None], *args: Any) -> None:
@@ -584,6 +574,14 @@ class Once:
             fn(*args)
         else:
             thread.loop.call_soon_threadsafe(fn, *args)
+
+
+def _settled(
+    loop: asyncio.AbstractEventLoop, unheard: Callable[[T], None], answer: Future[T]
+) -> None:
+    # Any thread: the answer settles on the guard's loop, or had already.
+    if not answer.cancelled() and answer.exception() is None:
+        loop.call_soon_threadsafe(unheard, answer.result())
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
