@@ -133,8 +133,7 @@ class Batcher(Generic[Req, Res]):
             except StoreError:
                 raise
             except Exception as exc:
-                # As in _drain: a bug is a logged 500, never a StoreError.
-                raise RuntimeError(f"batched statement failed: {exc!r}") from exc
+                raise _bug(exc) from exc
             finally:
                 self._inline_busy = False
                 if self._queue and self._task is None:
@@ -204,9 +203,7 @@ class Batcher(Generic[Req, Res]):
                     # a StoreError that would pass for an outage (503).
                     for _request, future in batch:
                         if not future.done():
-                            error = RuntimeError(f"batched statement failed: {exc!r}")
-                            error.__cause__ = exc
-                            future.set_exception(error)
+                            future.set_exception(_bug(exc))
                     continue
                 except BaseException:
                     # The batcher's own task was cancelled (the loop is shutting down):
@@ -238,3 +235,12 @@ def _fail(
             error = copy.copy(exc)
             error.__cause__ = cause if cause is not None else (exc.__cause__ or exc)
             future.set_exception(error)
+
+
+def _bug(exc: Exception) -> RuntimeError:
+    """What a waiter raises when a statement failed in a way that is not the store's:
+    a bug, which must surface as a logged 500, never as a StoreError (a 503 that would
+    pass for an outage)."""
+    error = RuntimeError(f"batched statement failed: {exc!r}")
+    error.__cause__ = exc
+    return error
