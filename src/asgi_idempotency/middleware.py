@@ -360,9 +360,9 @@ class IdempotencyMiddleware:
             delivery = policy.key_from
             principal: Any
             if delivery is not None:
-                # A webhook: the sender is the caller, its delivery id (read with the
-                # body, once the signature holds) the key.
-                client_key, principal = "", "webhook:" + delivery.sender
+                # A webhook: the sender, at this endpoint, is the caller; its delivery
+                # id (read with the body, once the signature holds) the key.
+                client_key, principal = "", delivery.principal(scope)
             else:
                 assert raw_key is not None
                 client_key = parse_key(raw_key)

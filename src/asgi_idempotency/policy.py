@@ -59,6 +59,17 @@ class _DefaultLease(timedelta):
         return repr(timedelta(self.days, self.seconds, self.microseconds))
 
 
+class _DefaultBodyLimit(int):
+    """A ``max_body_bytes`` left out, remembered as such: 1 MiB, or the largest delivery
+    the route's webhook sender documents (``key_from``), derived again when
+    ``dataclasses.replace`` changes ``key_from``."""
+
+    __slots__ = ()
+
+
+_DEFAULT_BODY_LIMIT: Any = _DefaultBodyLimit(1024 * 1024)
+
+
 def _duration(name: str, value: object) -> timedelta:
     """``value`` if it is a positive ``timedelta``.
 
@@ -99,7 +110,8 @@ class Policy:
             of the lease, so this bounds a dead worker's silence, not the handler's
             run time.
         max_body_bytes: request bodies above this get 413 before the store is touched
-            (default 1 MiB).
+            (default 1 MiB; on a webhook route, the largest delivery its sender
+            documents where that is more: 25 MB for ``github(secret)``).
         fingerprint_headers: request headers (case-insensitive) that enter the
             fingerprint besides method, path, query and body.
         transactional: run the handler inside the claim's Postgres transaction.
@@ -112,8 +124,9 @@ class Policy:
         key_from: a webhook receiver's key source (:mod:`asgi_idempotency.webhooks`:
             ``stripe(secret)``, ``github(secret)``, ``standard_webhooks(secret)``,
             ``from_header(name, sender=...)``): the key is the sender's delivery id,
-            taken after its signature is checked, instead of ``Idempotency-Key``;
-            records are scoped by the sender. A delivery without an id is 400.
+            taken after its signature is checked and only from what it covers,
+            instead of ``Idempotency-Key``; records are scoped by the sender and the
+            endpoint (method, path, query). A delivery without an id is 400.
         mode: ``"enforce"`` (default) answers as the guard decides; ``"report"`` claims,
             completes and records as usual but always runs the handler and returns
             its own answer, counting and logging (``idempotency.report``) the answer
@@ -131,7 +144,7 @@ class Policy:
     required: bool = False
     ttl: timedelta = _DEFAULT_TTL
     lease: timedelta = _LEASE_NOT_GIVEN
-    max_body_bytes: int = 1024 * 1024
+    max_body_bytes: int = _DEFAULT_BODY_LIMIT
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
     fingerprint_exclude: tuple[str, ...] = ()
@@ -155,6 +168,12 @@ class Policy:
                 )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
+        if isinstance(self.max_body_bytes, _DefaultBodyLimit):
+            sender = self.key_from.max_body_bytes if self.key_from is not None else None
+            # A sender's documented size is a floor for its route, never a cut: a
+            # delivery the sender may send must not be a 413 it retries for days.
+            limit = max(sender or 0, _DEFAULT_BODY_LIMIT)
+            object.__setattr__(self, "max_body_bytes", _DefaultBodyLimit(limit))
         if self.mode not in ("enforce", "report"):
             raise ValueError(f"mode must be 'enforce' or 'report', not {self.mode!r}")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
@@ -188,7 +207,7 @@ def idempotent(
     required: bool = False,
     ttl: timedelta = _DEFAULT_TTL,
     lease: timedelta = _LEASE_NOT_GIVEN,
-    max_body_bytes: int = 1024 * 1024,
+    max_body_bytes: int = _DEFAULT_BODY_LIMIT,
     fingerprint_headers: Iterable[str] = (),
     transactional: bool = False,
     fingerprint_exclude: Iterable[str] = (),
@@ -198,7 +217,8 @@ def idempotent(
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
     Takes the same arguments as :class:`Policy`, with the same defaults (``lease``
-    left out is the smaller of 30 s and ``ttl``) and the same errors, raised here at
+    left out is the smaller of 30 s and ``ttl``; ``max_body_bytes`` left out follows
+    ``key_from``'s sender) and the same errors, raised here at
     decoration time. Put it below the framework's route decorator (``@app.post(...)``
     on top). The function is returned unchanged, so FastAPI still sees its signature.
     """
@@ -207,7 +227,7 @@ def idempotent(
         required=required,
         ttl=ttl,
         lease=lease,  # "not given" passes through as itself
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=max_body_bytes,  # "not given" passes through as itself
         fingerprint_headers=tuple(fingerprint_headers),
         transactional=transactional,
         fingerprint_exclude=tuple(fingerprint_exclude),
