@@ -141,14 +141,19 @@ def claim_dependency(principal: DependencyPrincipal) -> Callable[..., AsyncItera
         if not isinstance(responder, Responder) or not responder.waiting:
             yield  # not guarded (no key on an optional route), or claimed already
             return
+        refusal: IdempotencyError | None = None
         try:
             who = principal.principal_of(caller)
         except IdempotencyError as exc:
-            await responder.refuse(exc)
-            raise GuardAnswered() from None
-        if not who:
-            await responder.refuse(PrincipalMisconfigured(f"{principal!r} named an empty caller"))
-            raise GuardAnswered()
+            refusal = exc
+        else:
+            if not who:
+                refusal = PrincipalMisconfigured(f"{principal!r} named an empty caller")
+        if refusal is not None:
+            if not await responder.refuse(refusal):
+                raise GuardAnswered()
+            yield  # report-only mode: the endpoint runs, and its answer goes out
+            return
         if not await responder.claim_deferred(who):
             raise GuardAnswered()
         try:

@@ -248,8 +248,12 @@ class IdempotencyMiddleware:
         if request is None:
             return
         readiness = self._readiness
-        if not readiness.ready and not await readiness.ensure(guard.route, send):
-            return
+        if not readiness.ready:
+            report = request.policy.mode == "report"
+            if not await readiness.ensure(guard.route, send, report=report):
+                if report:  # the store cannot claim: the app answers, unguarded
+                    await self._unguarded(guard, scope, replay_body(request.body, receive), send)
+                return
         await Responder(self._runtime, request, scope, receive, send).run()
 
     def _start(self, app: Any, *, on_request: bool) -> None:
@@ -345,7 +349,7 @@ class IdempotencyMiddleware:
         observe = self._observer.outcome
         if self._refusal is not None:
             observe(route, Outcome.UNIDENTIFIED)
-            await self._refusal.send(send)
+            await self._answer(self._refusal, guard, scope, receive, send)
             return None
         try:
             raw_key, content_type, declared_length, host, credential = guard_headers(
@@ -401,9 +405,14 @@ class IdempotencyMiddleware:
         if delivery is not None:
             try:
                 client_key = delivery(scope["headers"], body)
+            except InvalidSignature as exc:
+                # Refused in every mode: a forged delivery is no rollout choice, and its
+                # body was never the sender's.
+                observe(route, Outcome.INVALID_SIGNATURE)
+                await exc.send(send)
+                return None
             except IdempotencyError as exc:
-                unsigned = isinstance(exc, InvalidSignature)
-                observe(route, Outcome.INVALID_SIGNATURE if unsigned else Outcome.INVALID_KEY)
+                observe(route, Outcome.INVALID_KEY)
                 await self._answer(exc, guard, scope, replay_body(body, receive), send)
                 return None
         if report and len(body) > limit:
@@ -438,7 +447,17 @@ class IdempotencyMiddleware:
             await exc.send(send)
             return
         self._observer.report(guard.route, "", exc.status)
-        await self.app(scope, receive, send)
+        await self._unguarded(guard, scope, receive, send)
+
+    async def _unguarded(self, guard: _Guard, scope: Scope, receive: Receive, send: Send) -> None:
+        """Report mode: the app answers as if unguarded. A transactional route's handler
+        still gets the transaction it writes through (its writes alone commit)."""
+        policy = guard.policy
+        if not policy.transactional:
+            await self.app(scope, receive, send)
+            return
+        request = GuardedRequest("", None, "", policy, guard.route, b"", "", "")
+        await Responder(self._runtime, request, scope, receive, send).run_unclaimed()
 
     def check_policies(self, app: Any = None) -> None:
         """Refuse transactional policies on a store that cannot honour them.

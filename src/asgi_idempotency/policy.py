@@ -131,6 +131,10 @@ class Policy:
             completes and records as usual but always runs the handler and returns
             its own answer, counting and logging (``idempotency.report``) the answer
             the guard would have given: for turning the guard on in a live service.
+            Whatever the guard or its store would have answered, the handler runs (on a
+            transactional route in a transaction whenever the store opens one, its
+            writes committing alone when the record is another request's); only a
+            webhook delivery whose signature fails is refused (400) in every mode.
 
     Raises:
         TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);

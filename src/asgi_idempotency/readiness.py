@@ -37,8 +37,10 @@ class Readiness:
         self._checked_at = -math.inf  # monotonic time of the last failed check
         self._checking: asyncio.Event | None = None  # set when the check in flight ends
 
-    async def ensure(self, route: str, send: Send) -> bool:
-        """Prepare the store for an app served without lifespan; ``False`` once answered 503.
+    async def ensure(self, route: str, send: Send, *, report: bool = False) -> bool:
+        """Prepare the store for an app served without lifespan; ``False`` once answered 503
+        (in report-only mode, ``report``: not answered, only logged and counted; the
+        caller lets the app answer).
 
         A failed check is repeated at most every ``retry_after`` seconds, so running
         ``asgi-idempotency migrate`` heals a running app without a check per request.
@@ -68,6 +70,9 @@ class Readiness:
             return True
         self._observer.not_ready("request", missing, now=now, route=route)
         self._observer.outcome(route, Outcome.STORE_UNAVAILABLE)
+        if report:
+            self._observer.report(route, "", StoreUnavailable.status)
+            return False
         # Always 503, fail_open or not: a missing schema is a deployment step left
         # out, not an outage, and running unguarded would hide it.
         await StoreUnavailable(missing.detail, retry_after=self.retry_after).send(send)

@@ -294,30 +294,67 @@ class Responder:
             if await self._claim(self.rt.store):
                 await self._run_app()
             return
+        await self._in_transaction(claim=True)
+
+    async def run_unclaimed(self) -> None:
+        """Report-only mode, a transactional route, a request the guard would have refused
+        before claiming (no key, no caller, ...): the app runs as it would unguarded, so its
+        handler gets the transaction it writes through, whose writes alone commit."""
+        self.unread = False  # the middleware hands over ``receive`` as the app is to read it
+        await self._in_transaction(claim=False)
+
+    async def _in_transaction(self, *, claim: bool) -> None:
         store = self.rt.store
         assert isinstance(store, TransactionalStore)  # checked when the middleware was built
         tx: StoreTransaction | None = None
         try:
             async with store.transaction() as tx:
                 self.tx = tx
-                if await self._claim(tx):
+                if not claim:
+                    self._hand_transaction()
+                    await self._run_app()
+                elif await self._claim(tx) and self.state is not _State.UNGUARDED:
                     await self._run_app()
         except StoreError as exc:
             if tx is not None:
                 raise  # not from opening the transaction: answered where it arose
-            await self._unavailable(exc, "claim")
+            if claim:
+                await self._unavailable(exc, "claim")
+            else:
+                self.rt.observer.store_error(self.req.route, "", "transaction", exc)
+                self.state = _State.UNGUARDED
+            if self.state is _State.UNGUARDED:  # fail_open, report mode
+                await self._run_app()  # no transaction to hand the handler
+            return
+        if self.state is not _State.UNGUARDED:
+            return
+        # The claim failed and the request runs unguarded (fail_open, report mode), not
+        # in the transaction the failure may have broken. In report mode the handler
+        # gets a fresh one if the store gives it one, as it would have without a fault.
+        self.tx = None
+        if self.req.policy.mode == "report":
+            await self._in_transaction(claim=False)
+        else:
+            await self._run_app()
 
     @property
     def waiting(self) -> bool:
         """Whether this request waits for FastAPI to name its caller before it claims."""
         return self.state is _State.WAITING and self.req.principal is None
 
-    async def refuse(self, exc: IdempotencyError) -> None:
-        """Answer with ``exc`` instead of claiming (the caller could not be identified)."""
+    async def refuse(self, exc: IdempotencyError) -> bool:
+        """Answer with ``exc`` instead of claiming (the caller could not be identified);
+        whether the endpoint may run all the same (report-only mode: the app answers)."""
+        observer, route = self.rt.observer, self.req.route
+        observer.outcome(route, Outcome.UNIDENTIFIED)
+        observer.refused(route, exc)
+        if self.req.policy.mode == "report":
+            observer.report(route, "", exc.status)
+            self.state = _State.UNGUARDED
+            return True
         self.state = _State.ANSWERED
-        self.rt.observer.outcome(self.req.route, Outcome.UNIDENTIFIED)
-        self.rt.observer.refused(self.req.route, exc)
         await exc.send(self.send)
+        return False
 
     async def claim_deferred(self, principal: str) -> bool:
         """Claim now that FastAPI has named the caller: whether the endpoint may run.
@@ -388,7 +425,12 @@ class Responder:
         if not claim.owned:
             if policy.mode == "report":
                 self._report_existing(claim)
-                self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                if self.tx is None:
+                    self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                else:
+                    # The handler writes through the transaction as when the claim is
+                    # ours, and its writes commit alone: no token, so no record is ours.
+                    self._hand_transaction()
                 return True
             self.state = _State.ANSWERED
             await self._answer_existing(claim, now)
@@ -415,8 +457,16 @@ class Responder:
                 req.key, token, policy.lease, policy.renew_every, req.route
             )
         else:
-            self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+            self._hand_transaction()
         return True
+
+    def _hand_transaction(self) -> None:
+        """The app runs in the transaction (``request.state.idempotency``); its response
+        is held until it ends, to commit or roll back first. ``token`` stays empty when
+        the transaction holds no claim of this request's (report-only mode)."""
+        assert self.tx is not None
+        self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+        self.state = _State.OWNED
 
     async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
         """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
@@ -534,6 +584,13 @@ class Responder:
         content = b"".join(self.chunks)
         if not lifecycle.completes(status):
             await self._release()
+        elif not self.token:
+            # Report-only mode in a transaction holding no claim of ours: the handler's
+            # writes commit alone, as they would have without the guard.
+            assert self.tx is not None
+            if not await self._commit(self.tx, None, None):
+                self.state = _State.DONE
+                return
         else:
             if self.kept > STREAM_KEEP_LIMIT:
                 problem = ResponseNotKept(_NOT_KEPT_DETAIL)
@@ -585,11 +642,16 @@ class Responder:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
 
     async def _commit(
-        self, tx: StoreTransaction, stored: StoredResponse, expires_at: datetime
+        self, tx: StoreTransaction, stored: StoredResponse | None, expires_at: datetime | None
     ) -> bool:
+        """Commit the handler's writes with the record (``stored``), or alone (``None``)."""
         key = self.req.key
         try:
-            await self.rt.shielded(tx.commit(key, self.token, stored, expires_at=expires_at))
+            if stored is None:
+                await self.rt.shielded(tx.commit_writes())
+            else:
+                assert expires_at is not None
+                await self.rt.shielded(tx.commit(key, self.token, stored, expires_at=expires_at))
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.
@@ -606,7 +668,8 @@ class Responder:
         return True
 
     async def _release(self) -> None:
-        self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
+        if self.token:  # else report-only mode, no claim of ours: its outcome is counted
+            self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
         if self.tx is not None:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key, token = self.rt.store, self.req.key, self.token
@@ -629,6 +692,8 @@ class Responder:
         unavailable = Outcome.STORE_UNAVAILABLE
         rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
         rt.observer.outcome(self.req.route, unavailable)
+        if self.req.policy.mode == "report":
+            rt.observer.report(self.req.route, self.req.key, StoreUnavailable.status)
         if rt.fail_open or self.req.policy.mode == "report":
             self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return

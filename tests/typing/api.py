@@ -268,6 +268,8 @@ async def transaction(store: TransactionalStore, new: NewClaim, done: StoredResp
             tx_: StoreTransaction = tx
             await tx_.insert(new)
             await tx_.commit(new.key, new.token, done, expires_at=NOW + timedelta(days=1))
+        async with store.transaction() as tx:
+            await tx.commit_writes()  # the handler's writes alone (report-only mode)
 
 
 def lifecycle(claim: Claim) -> RecordState | None:

@@ -244,8 +244,9 @@ class PostgresTransaction:
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
     Round trips for a first request: BEGIN, claim (lock included), the handler's own
-    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK. A
-    claim whose statement met a rival's commit asks once more.
+    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK (in
+    report-only mode the handler runs there too, and its writes commit alone). A claim
+    whose statement met a rival's commit asks once more.
     """
 
     __slots__ = ("_conn", "state")
@@ -305,6 +306,11 @@ class PostgresTransaction:
                 # writes must not land beside that run's; the retry replays its answer.
                 await self._conn.rollback()
                 raise StoreError("the record is not this transaction's claim; rolled back")
+            await self._conn.commit()
+
+    async def commit_writes(self) -> None:
+        with PG_ERRORS:
+            await self.state.session.flush()
             await self._conn.commit()
 
 
