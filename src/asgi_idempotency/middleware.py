@@ -22,6 +22,7 @@ from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
     BodyTooLarge,
     IdempotencyError,
+    InvalidHost,
     InvalidSignature,
     MissingKey,
     PrincipalMisconfigured,
@@ -36,7 +37,7 @@ from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
 from .regenerated import RegeneratedKeys
-from .request import guard_headers, host_name, read_body, replay_body
+from .request import guard_headers, host_scope, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import Store, capabilities, utcnow
 
@@ -348,7 +349,7 @@ class IdempotencyMiddleware:
             await self._refusal.send(send)
             return None
         try:
-            raw_key, content_type, declared_length, host, credential = guard_headers(
+            raw_key, content_type, declared_length, hosts, credential = guard_headers(
                 scope["headers"]
             )
             if raw_key is None and policy.key_from is None:
@@ -357,6 +358,7 @@ class IdempotencyMiddleware:
                 observe(route, Outcome.UNGUARDED)
                 await self.app(scope, receive, send)
                 return None
+            where = host_scope(*hosts) if self.scope_by_host else ""
             delivery = policy.key_from
             principal: Any
             if delivery is not None:
@@ -382,6 +384,10 @@ class IdempotencyMiddleware:
             return None
         except MissingKey as exc:
             observe(route, Outcome.MISSING_KEY)
+            await self._answer(exc, guard, scope, receive, send)
+            return None
+        except InvalidHost as exc:
+            observe(route, Outcome.INVALID_HOST)
             await self._answer(exc, guard, scope, receive, send)
             return None
         except IdempotencyError as exc:
@@ -423,7 +429,6 @@ class IdempotencyMiddleware:
             chosen,
             exclude=policy.fingerprint_exclude,
         )
-        where = host_name(host) if self.scope_by_host else ""
         if principal is None:  # named when FastAPI resolves the dependency
             return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
         principal = str(principal)

@@ -41,6 +41,7 @@ from asgi_idempotency import (
     IdempotencyMiddleware,
     InMemoryMetrics,
     InProgress,
+    InvalidHost,
     InvalidKey,
     InvalidSignature,
     KeyMismatch,
@@ -332,6 +333,7 @@ def errors(exc: Exception) -> int | None:
     tree: list[type[IdempotencyError]] = [
         MissingKey,
         InvalidKey,
+        InvalidHost,
         BodyTooLarge,
         KeyMismatch,
         RequestInProgress,
