@@ -83,10 +83,13 @@ class IdempotencyMiddleware:
             ``scope["user"]``'s identity; anonymous only for requests that carry no
             credentials; where the app tells callers apart in a way the guard cannot
             see, it refuses (at startup, else 500 on the request) naming the helper.
-        scope_by_host: the request's ``Host`` is part of every record's scope (default),
-            so tenant-per-subdomain apps whose user ids are tenant-local stay apart.
-            Turn it off for a service reached under several names whose clients may
-            retry through another one.
+        scope_by_host: the request's host is part of every record's scope (default),
+            so tenant-per-subdomain apps whose user ids are tenant-local stay apart:
+            the ``Host`` name without its port, and the names a proxy passes on in
+            ``X-Forwarded-Host`` and ``Forwarded: host=`` (:func:`.request.host_scope`).
+            ``Host`` or ``X-Forwarded-Host`` sent twice is a 400 either way. Turn it
+            off (no host in the scope) for a service reached under several names whose
+            clients may retry through another one.
         fail_open: when the store fails, run the handler unguarded instead of 503.
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
