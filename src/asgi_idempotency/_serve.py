@@ -65,15 +65,20 @@ class _Server(uvicorn.Server):
 
 @contextmanager
 def serve_in_thread(
-    app: Any, *, lifespan: Literal["on", "off"] = "off", startup_timeout: float = 10.0
+    app: Any,
+    *,
+    lifespan: Literal["on", "off"] = "off",
+    startup_timeout: float = 10.0,
+    http: Literal["h11", "httptools"] = "h11",
 ) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a thread of this process; yield its base URL; stop it after.
 
     The app runs on an event loop of its own, so a synchronous client and another loop
     can both call it, and the caller can inspect the app's Python state meanwhile.
     Pass ``lifespan="on"`` for an app whose lifespan owns resources bound to the
-    server's event loop (a SQL store). Shutdown waits at most one second for requests
-    still running, then cancels them.
+    server's event loop (a SQL store), and ``http="httptools"`` for uvicorn's other
+    HTTP/1.1 parser (it passes a header sent twice, ``Host`` included, on to the app).
+    Shutdown waits at most one second for requests still running, then cancels them.
     Raises ``RuntimeError`` if the server does not start within ``startup_timeout``
     seconds, or does not stop within 10.
     """
@@ -83,7 +88,7 @@ def serve_in_thread(
         access_log=False,
         lifespan=lifespan,
         ws="none",
-        http="h11",
+        http=http,
         timeout_graceful_shutdown=1,
     )
     server = _Server(config)

@@ -16,8 +16,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 
 ====  =========================================================================
 0     success
-1     inspect: no record for that key (never ran, released, or pruned); demo:
-      the guarded run did not make exactly one refund
+1     inspect: no record for that key in the scope searched (host, principal);
+      demo: the guarded run did not make exactly one refund
 2     usage error: bad arguments, a key digest prefix that matches several
       records, missing or malformed database URL, the demo extra not installed;
       migrate: the database is at a revision this version does not know
@@ -73,7 +73,7 @@ class Exit(enum.IntEnum):
 EXIT_MEANINGS: dict[Exit, str] = {
     Exit.OK: "success",
     Exit.NOT_FOUND: (
-        "inspect: no record for that key (never ran, released, or pruned); "
+        "inspect: no record for that key in the scope searched (host, principal); "
         "demo: the guarded run did not make exactly one refund"
     ),
     Exit.USAGE: (
@@ -302,10 +302,51 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
 _DIGEST = re.compile(r"[0-9a-fA-F]{16,64}")
 
 
+def _header(value: str | None) -> bytes | None:
+    """A header value given on the command line, as the server would hand it on."""
+    return None if value is None else value.encode("utf-8", "surrogateescape")
+
+
+def _searched(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """The scope ``inspect`` looked in, as shown, and what it may have lacked."""
+    from .request import forwarded_hosts, host_name
+
+    names = None if args.x_forwarded_host is None else args.x_forwarded_host.split(",")
+    forwarded = None if args.forwarded is None else _header(args.forwarded)
+    searched: dict[str, Any] = {
+        "host": host_name(_header(args.host) or b"") or None,
+        "principal": args.principal,
+        "x_forwarded_host": None
+        if names is None
+        else [host_name(_header(n) or b"") for n in names],
+        "forwarded_host": None
+        if forwarded is None
+        else [host_name(h) for h in forwarded_hosts(forwarded)],
+    }
+    hints = []
+    if not args.host:
+        hints.append(
+            "records are scoped by host unless the app sets scope_by_host=False: pass "
+            "--host as the app saw it (the request's Host header; a port is ignored)"
+        )
+    if not args.principal:
+        hints.append(
+            "searched as the anonymous caller: if the app's principal= names callers, "
+            "pass --principal as it returned it"
+        )
+    if args.x_forwarded_host is None and args.forwarded is None:
+        hints.append(
+            "behind a proxy that passes X-Forwarded-Host or Forwarded, those hosts scope "
+            "the record too: pass them with --x-forwarded-host or --forwarded"
+        )
+    return searched, hints
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
-    from .errors import InvalidKey
+    from .errors import InvalidHost, InvalidKey
     from .keys import parse_key, scoped_key
     from .lifecycle import RecordState, state_of
+    from .request import host_scope
     from .stores.base import RecordStatus
 
     url = _require_url(args)
@@ -313,7 +354,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
         key = parse_key(args.key.encode("utf-8", "surrogateescape"))
     except InvalidKey as exc:
         raise CLIError(Exit.USAGE, f"not a valid Idempotency-Key: {exc.detail}") from None
-    digest = scoped_key(args.principal, key, args.host.lower())
+    try:
+        # The scope the middleware builds from the same headers (port dropped alike).
+        where = host_scope(
+            _header(args.host) or b"", _header(args.x_forwarded_host), _header(args.forwarded)
+        )
+    except InvalidHost as exc:
+        raise CLIError(Exit.USAGE, f"not a valid host: {exc.detail}") from None
+    digest = scoped_key(args.principal, key, where)
     # KEY may also be the key digest a log line carries: tried when no record has it as
     # a client key (a 16-hex client key is valid, so the key goes first).
     prefix = args.key.lower() if _DIGEST.fullmatch(args.key) else None
@@ -334,18 +382,46 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
                 digest = record.key
         now = datetime.now(UTC)
         if record is None:
-            also = f" nor with a key digest starting with {prefix}" if prefix is not None else ""
+            # Never a bare "it never ran": a record scoped by a host or principal the
+            # command was not given is there all the same.
+            searched, hints = _searched(args)
             if args.json:
-                payload: dict[str, Any] = {"key_digest": digest, "found": False}
+                payload: dict[str, Any] = {
+                    "key_digest": digest,
+                    "found": False,
+                    "searched": searched,
+                    "hints": hints,
+                }
                 if prefix is not None:
                     payload["digest_prefix"] = prefix
                 print(json.dumps(payload), file=out)
-            else:
-                print(
-                    f"no record for this key (digest {digest}){also}: it never ran here, "
-                    "was released after a failure, or was pruned",
-                    file=out,
+                return Exit.NOT_FOUND
+            forwarded = [
+                f"{name} {', '.join(searched[field]) or '(none)'}"
+                for name, field in (
+                    ("X-Forwarded-Host", "x_forwarded_host"),
+                    ("Forwarded host=", "forwarded_host"),
                 )
+                if searched[field] is not None
+            ]
+            lines = [
+                ("key digest", digest),
+                ("host", searched["host"] or "none (--host not given)"),
+                ("principal", repr(args.principal) if args.principal else "anonymous"),
+                ("forwarded", "; ".join(forwarded) or "none"),
+            ]
+            print("no record for this key in the scope searched:", file=out)
+            for label, value in lines:
+                print(f"  {label:<12} {value}", file=out)
+            if prefix is not None:
+                print(f"nor a record whose key digest starts with {prefix}.", file=out)
+            for hint in hints:
+                print(f"- {hint}", file=out)
+            print(
+                "With the host and principal the app saw, no record means the key never "
+                "ran here, was released after a failure, or was pruned.",
+                file=out,
+            )
             return Exit.NOT_FOUND
         current = state_of(record, now)
         expired = current is RecordState.EXPIRED
@@ -612,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "KEY is the Idempotency-Key as the client sent it, or the key_digest a log "
             "line carries (16 to 64 hex digits), tried when no record has KEY as its key. "
+            "A key is looked up in one scope: the host (--host, and --x-forwarded-host or "
+            "--forwarded when a proxy passed them on) and the principal (--principal), "
+            "each as the app saw it; a digest needs neither. "
             "Exit code 0 when a record exists (expired or not), 1 when none does, 2 when "
             "a digest prefix matches several records."
         ),
@@ -629,8 +708,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host",
         default="",
-        help="the Host the request was sent to (records are scoped by host unless the "
-        "middleware has scope_by_host=False); a digest needs none",
+        metavar="HOST",
+        help="the Host header the request reached the app with, e.g. shop.example or "
+        "shop.example:8443 (the port is ignored, as the middleware ignores it); records "
+        "are scoped by host unless the app sets scope_by_host=False; a digest needs none",
+    )
+    p.add_argument(
+        "--x-forwarded-host",
+        default=None,
+        metavar="VALUE",
+        help="the X-Forwarded-Host header the request carried, if any (a proxy's; it "
+        "scopes the record beside Host)",
+    )
+    p.add_argument(
+        "--forwarded",
+        default=None,
+        metavar="VALUE",
+        help="the Forwarded header the request carried, if any (its host= parameters "
+        "scope the record beside Host)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_inspect)

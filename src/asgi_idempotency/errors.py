@@ -5,6 +5,7 @@
     IdempotencyError            (abstract; carries status, type, title)
     ├── MissingKey              400  required key absent
     ├── InvalidKey              400  empty, too long, not printable ASCII, sent twice
+    ├── InvalidHost             400  the request names its host twice (two Host headers)
     ├── InvalidSignature        400  a webhook delivery its sender did not sign
     ├── BodyTooLarge            413  request body over the policy's limit
     ├── KeyMismatch             422  same key, different request
@@ -58,6 +59,7 @@ __all__ = [
     "BodyTooLarge",
     "IdempotencyError",
     "InProgress",
+    "InvalidHost",
     "InvalidKey",
     "InvalidSignature",
     "KeyMismatch",
@@ -128,6 +130,16 @@ class InvalidKey(IdempotencyError):
     status = 400
     slug = "invalid-key"
     title = "Invalid Idempotency-Key header"
+
+
+class InvalidHost(IdempotencyError):
+    """A request that names its host twice: two ``Host`` headers (RFC 9112 §3.2 makes
+    that a 400), or a host-naming proxy header sent twice. Servers pass both on, the
+    app reads one and the guard cannot know which: never claimed."""
+
+    status = 400
+    slug = "invalid-host"
+    title = "Ambiguous request host"
 
 
 class InvalidSignature(IdempotencyError):

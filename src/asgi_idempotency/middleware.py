@@ -22,6 +22,7 @@ from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
     BodyTooLarge,
     IdempotencyError,
+    InvalidHost,
     InvalidSignature,
     MissingKey,
     PrincipalMisconfigured,
@@ -36,7 +37,7 @@ from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies
 from .principals import AUTO, DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
 from .regenerated import RegeneratedKeys
-from .request import guard_headers, host_name, read_body, replay_body
+from .request import guard_headers, host_scope, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import Store, capabilities, utcnow
 
@@ -82,10 +83,13 @@ class IdempotencyMiddleware:
             ``scope["user"]``'s identity; anonymous only for requests that carry no
             credentials; where the app tells callers apart in a way the guard cannot
             see, it refuses (at startup, else 500 on the request) naming the helper.
-        scope_by_host: the request's ``Host`` is part of every record's scope (default),
-            so tenant-per-subdomain apps whose user ids are tenant-local stay apart.
-            Turn it off for a service reached under several names whose clients may
-            retry through another one.
+        scope_by_host: the request's host is part of every record's scope (default),
+            so tenant-per-subdomain apps whose user ids are tenant-local stay apart:
+            the ``Host`` name without its port, and the names a proxy passes on in
+            ``X-Forwarded-Host`` and ``Forwarded: host=`` (:func:`.request.host_scope`).
+            ``Host`` or ``X-Forwarded-Host`` sent twice is a 400 either way. Turn it
+            off (no host in the scope) for a service reached under several names whose
+            clients may retry through another one.
         fail_open: when the store fails, run the handler unguarded instead of 503.
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
@@ -352,7 +356,7 @@ class IdempotencyMiddleware:
             await self._answer(self._refusal, guard, scope, receive, send)
             return None
         try:
-            raw_key, content_type, declared_length, host, credential = guard_headers(
+            raw_key, content_type, declared_length, hosts, credential = guard_headers(
                 scope["headers"]
             )
             if raw_key is None and policy.key_from is None:
@@ -361,6 +365,7 @@ class IdempotencyMiddleware:
                 observe(route, Outcome.UNGUARDED)
                 await self.app(scope, receive, send)
                 return None
+            where = host_scope(*hosts) if self.scope_by_host else ""
             delivery = policy.key_from
             principal: Any
             if delivery is not None:
@@ -386,6 +391,10 @@ class IdempotencyMiddleware:
             return None
         except MissingKey as exc:
             observe(route, Outcome.MISSING_KEY)
+            await self._answer(exc, guard, scope, receive, send)
+            return None
+        except InvalidHost as exc:
+            observe(route, Outcome.INVALID_HOST)
             await self._answer(exc, guard, scope, receive, send)
             return None
         except IdempotencyError as exc:
@@ -432,7 +441,6 @@ class IdempotencyMiddleware:
             chosen,
             exclude=policy.fingerprint_exclude,
         )
-        where = host_name(host) if self.scope_by_host else ""
         if principal is None:  # named when FastAPI resolves the dependency
             return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
         principal = str(principal)

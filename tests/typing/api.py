@@ -41,6 +41,7 @@ from asgi_idempotency import (
     IdempotencyMiddleware,
     InMemoryMetrics,
     InProgress,
+    InvalidHost,
     InvalidKey,
     InvalidSignature,
     KeyMismatch,
@@ -334,6 +335,7 @@ def errors(exc: Exception) -> int | None:
     tree: list[type[IdempotencyError]] = [
         MissingKey,
         InvalidKey,
+        InvalidHost,
         BodyTooLarge,
         KeyMismatch,
         RequestInProgress,
