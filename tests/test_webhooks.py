@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.webhooks import DeliveryKey, from_header, github, standard_webhooks, stripe
 
 pytestmark = pytest.mark.anyio
@@ -74,6 +75,7 @@ class Receiver:
                 Middleware(
                     IdempotencyMiddleware,
                     store=MemoryStore(),
+                    principal=ANONYMOUS,
                     policies={"POST /hooks": Policy(key_from=key_from)},
                 )
             ],
@@ -181,6 +183,7 @@ async def test_delivery_ids_are_scoped_per_sender() -> None:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={
                     "POST /a": Policy(key_from=from_header("X-Delivery", sender="a")),
                     "POST /b": Policy(key_from=from_header("X-Delivery", sender="b")),

@@ -231,6 +231,26 @@ def policy_of(endpoint: Any) -> Policy | None:
 class ResolvedRoute:
     template: str  # e.g. "/orders/{order_id}/refunds", mount prefixes included
     endpoint: Any
+    # Served by a mounted app with its own IdempotencyMiddleware, which decides: its
+    # principal is the one that app's auth yields (template: the Mount's path).
+    delegated: bool = False
+
+
+def carries_guard(app: Any) -> bool:
+    """Whether ``app`` (a Mount's app) has an IdempotencyMiddleware of its own: wrapping
+    it, in a Starlette app's middleware (built or not yet), or in the Mount's own."""
+    node = app
+    for _ in range(100):  # a chain that loops is not followed for ever
+        if node is None:
+            return False
+        if getattr(type(node), "asgi_idempotency_guard", False):
+            return True
+        for entry in getattr(node, "user_middleware", ()):
+            if getattr(getattr(entry, "cls", None), "asgi_idempotency_guard", False):
+                return True
+        stack = getattr(node, "middleware_stack", None)
+        node = stack if stack is not None else getattr(node, "app", None)
+    return False
 
 
 def expand_routes(routes: Iterable[Any]) -> list[Any]:
@@ -281,6 +301,8 @@ class _Walk:
                 continue
             if match is not Match.FULL:
                 continue
+            if isinstance(original, Mount) and carries_guard(original.app):
+                return ResolvedRoute(prefix + original.path, original.app, delegated=True)
             if isinstance(original, (Mount, Host)):
                 sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
                 found = self(original, {**scope, **child}, sub_prefix)
@@ -372,6 +394,8 @@ def iter_endpoint_policies(app: Any) -> list[Policy]:
     def walk(routes: Iterable[Any]) -> None:
         for route in expand_routes(routes):
             original = getattr(route, "original_route", route)
+            if isinstance(original, Mount) and carries_guard(original.app):
+                continue  # its own guard checks its policies
             if isinstance(original, (Mount, Host)):
                 walk(original.routes)
                 continue

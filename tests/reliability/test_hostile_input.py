@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
 from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.stores.schema import records
 
@@ -91,6 +92,7 @@ class Hostile:
                 Middleware(
                     IdempotencyMiddleware,
                     store=store,
+                    principal=ANONYMOUS,
                     policies={"POST /echo": Policy(required=True, max_body_bytes=LIMIT)},
                 ),
             ],
