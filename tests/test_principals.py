@@ -771,28 +771,32 @@ async def test_an_app_s_own_auth_header_scopes_each_caller_once_named() -> None:
 # --- A mounted app with its own guard: that guard decides ---------------------------------
 
 
-def _mounted(effects: Effects, outer_policies: dict[str, Policy] | None = None) -> Starlette:
-    """An outer guard (ANONYMOUS: a public API) around a Mount whose app has its own
-    guard, scoped by the ``X-User`` its gateway verifies."""
+def _mounted(
+    effects: Effects, outer_policies: dict[str, Policy] | None = None, *, how: str = "app"
+) -> Starlette:
+    """An outer guard (ANONYMOUS: a public API) around a Mount with a guard of its own,
+    scoped by the ``X-User`` its gateway verifies: in the mounted app's middleware, or in
+    the Mount's own ``middleware=``."""
 
     @idempotent(required=True)
     async def refund(request: Request) -> Response:
         effects.runs.append(request.headers["x-user"])
         return JSONResponse({"refund": len(effects.runs)}, status_code=201)
 
-    inner = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=effects.store,
-                principal=from_headers("X-User"),
-                metrics=effects.inner,
-            )
-        ],
+    inner_guard = Middleware(
+        IdempotencyMiddleware,
+        store=effects.store,
+        principal=from_headers("X-User"),
+        metrics=effects.inner,
+    )
+    routes = [Route("/refunds", refund, methods=["POST"])]
+    mount = (
+        Mount("/billing", Starlette(routes=routes, middleware=[inner_guard]))
+        if how == "app"
+        else Mount("/billing", routes=routes, middleware=[inner_guard])
     )
     return Starlette(
-        routes=[Mount("/billing", inner)],
+        routes=[mount],
         middleware=[
             Middleware(
                 IdempotencyMiddleware,
@@ -830,6 +834,13 @@ async def test_a_mounted_app_s_own_guard_decides_with_its_principal() -> None:
     inner = effects.inner.snapshot()
     assert inner.total(Outcome.EXECUTED) == 2
     assert inner.total(Outcome.REPLAYED) == 1
+
+
+async def test_a_guard_in_a_mount_s_own_middleware_is_refused() -> None:
+    # It would resolve no route (the Mount's routes are not the app's) and so never
+    # decide: the outer guard, with its principal, would.
+    message = await refuses(_mounted(Effects(), how="mount"))
+    assert "Mount('/billing', middleware=[...])" in message
 
 
 async def test_an_outer_policy_for_a_route_a_guarded_mount_serves_is_refused() -> None:

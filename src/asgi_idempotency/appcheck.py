@@ -25,7 +25,14 @@ from typing import Any
 
 from starlette.routing import Host, Mount
 
-from .policy import Policy, ResolvedRoute, carries_guard, expand_routes
+from .policy import (
+    Policy,
+    ResolvedRoute,
+    carries_guard,
+    expand_routes,
+    mount_level_guard,
+    mounted_app,
+)
 from .principals import DependencyPrincipal, _FromSession, _FromUser
 
 __all__ = ["StartupReport", "inspect_app"]
@@ -83,16 +90,20 @@ def _names(nodes: Iterable[Any]) -> list[str]:
     return [type(n).__name__ for n in nodes]
 
 
-def _templates(app: Any) -> tuple[dict[str, set[str]], list[str]]:
-    """Every route template the app's router serves, with its methods ("*" for any); and
-    the paths of Mounts whose app has a guard of its own."""
+def _templates(app: Any, guard: object) -> tuple[dict[str, set[str]], list[str], list[str]]:
+    """Every route template the app's router serves, with its methods ("*" for any); the
+    paths of Mounts whose app has a guard other than ``guard``; and of Mounts with a
+    guard in their own ``middleware=``."""
     served: dict[str, set[str]] = {}
     guarded: list[str] = []
+    mount_level: list[str] = []
 
     def walk(routes: Iterable[Any], prefix: str) -> None:
         for route in expand_routes(list(routes)):
             original = getattr(route, "original_route", route)
-            if isinstance(original, Mount) and carries_guard(original.app):
+            if isinstance(original, Mount) and mount_level_guard(original, guard):
+                mount_level.append(prefix + original.path)
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
                 guarded.append(prefix + original.path)
                 continue
             if isinstance(original, Mount):
@@ -106,11 +117,12 @@ def _templates(app: Any) -> tuple[dict[str, set[str]], list[str]]:
             served.setdefault(prefix + template, set()).update(methods or {"*"})
 
     walk(getattr(getattr(app, "router", None), "routes", ()), "")
-    return served, guarded
+    return served, guarded, mount_level
 
 
-def _check_policies_map(policies: Iterable[str], app: Any) -> Iterator[str]:
-    served, guarded = _templates(app)
+def _check_policies_map(
+    policies: Iterable[str], served: dict[str, set[str]], guarded: list[str]
+) -> Iterator[str]:
     if not served and not guarded:
         return  # a bare ASGI app has no templates to check against
     for entry in policies:
@@ -177,7 +189,15 @@ def inspect_app(
             f"principal={principal!r} needs SessionMiddleware outside "
             "IdempotencyMiddleware; none is in the app's middleware."
         )
-    report.unmatched.extend(_check_policies_map(policies, app))
+    served, guarded, mount_level = _templates(app, guard)
+    report.unmatched.extend(_check_policies_map(policies, served, guarded))
+    for path in mount_level:
+        problems.append(
+            f"Mount({path!r}, middleware=[...]) holds an IdempotencyMiddleware, which cannot "
+            "see the Mount's routes from there and would leave its requests to this guard "
+            "and this principal: put it in the mounted app's own middleware instead "
+            f"(Mount({path!r}, app=Starlette(routes=..., middleware=[...])))."
+        )
 
     fastapi = sys.modules.get("fastapi")
     if fastapi is None or not isinstance(app, fastapi.FastAPI):
@@ -195,7 +215,7 @@ def inspect_app(
     if unnamed is not None:
         problems.append(unnamed)
     claim = fastapi_claim.claim_dependency(principal)
-    for op in fastapi_claim.operations(app):
+    for op in fastapi_claim.operations(app, guard):
         resolved = ResolvedRoute(op.template, op.endpoint)
         for method in sorted(op.methods):
             policy, explicit = policy_for(method, resolved)

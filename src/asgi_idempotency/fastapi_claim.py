@@ -36,7 +36,7 @@ from fastapi.security.base import SecurityBase
 from starlette.routing import Host, Mount
 
 from .errors import IdempotencyError, PrincipalMisconfigured
-from .policy import carries_guard
+from .policy import carries_guard, mounted_app
 from .principals import DependencyPrincipal
 from .responder import GUARD_SCOPE_KEY, GuardAnswered, Responder
 
@@ -54,13 +54,14 @@ class GuardedOperation:
     route: APIRoute  # the original route (its ``dependencies`` feed rebuilt contexts)
 
 
-def operations(app: Any) -> Iterator[GuardedOperation]:
-    """Every FastAPI route the app can reach, included routers and Mounts walked."""
+def operations(app: Any, guard: object = None) -> Iterator[GuardedOperation]:
+    """Every FastAPI route the app can reach, included routers and Mounts walked, except
+    Mounts whose app has a guard other than ``guard``."""
 
     def walk(routes: list[Any], prefix: str) -> Iterator[GuardedOperation]:
         for context in iter_route_contexts(routes):
             original = context.original_route
-            if isinstance(original, Mount) and carries_guard(original.app):
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
                 continue  # its own guard decides there, with its own principal
             if isinstance(original, Mount):
                 yield from walk(list(original.routes), prefix + original.path)

@@ -165,7 +165,7 @@ class IdempotencyMiddleware:
         if mode not in ("enforce", "report"):
             raise ValueError(f"mode must be 'enforce' or 'report', not {mode!r}")
         self.mode = mode
-        self._resolve = RouteResolver(self._decide)
+        self._resolve = RouteResolver(self._decide, guard=self)
         label = type(store).__name__
         dialect = getattr(store, "dialect", None)
         self._observer = Observer(metrics, f"{label}/{dialect}" if dialect else label)
@@ -480,7 +480,7 @@ class IdempotencyMiddleware:
         """
         found = [p for p in (*self.policies.values(), self.default_policy) if p.transactional]
         if app is not None:
-            found += [p for p in iter_endpoint_policies(app) if p.transactional]
+            found += [p for p in iter_endpoint_policies(app, self) if p.transactional]
         if not found:
             return
         store = self.store
