@@ -595,11 +595,12 @@ async def test_from_user_finds_an_authenticated_user_s_identity() -> None:
     assert effects.runs == ["alice", "bob"]
 
 
-async def test_from_user_with_an_identity_function() -> None:
+@pytest.mark.parametrize(
+    "identity", [lambda u: "id:" + u.name, "name"], ids=["function", "attribute"]
+)
+async def test_from_user_with_an_identity_function(identity: Any) -> None:
     effects = Effects()
-    app = starlette_auth_app(
-        effects, NamedUser, principal=from_user(identity=lambda u: "id:" + u.name)
-    )
+    app = starlette_auth_app(effects, NamedUser, principal=from_user(identity=identity))
     async with served(app) as c:
         first = await c.post(
             "/refunds",

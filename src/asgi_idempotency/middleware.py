@@ -121,8 +121,10 @@ class IdempotencyMiddleware:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> IdempotencyMiddleware:
         # Before __init__ binds its arguments: Python's own "missing 1 required
-        # keyword-only argument" would not say what to pass.
-        if cls.__init__ is IdempotencyMiddleware.__init__ and kwargs.get("principal") is None:
+        # keyword-only argument" would not say what to pass. (No arguments at all is
+        # copy or pickle recreating an instance; a subclass may supply its own.)
+        constructing = bool(args or kwargs) and cls.__init__ is IdempotencyMiddleware.__init__
+        if constructing and kwargs.get("principal") is None:
             raise TypeError(_PRINCIPAL_REQUIRED)
         return super().__new__(cls)
 
@@ -392,11 +394,12 @@ class IdempotencyMiddleware:
                 client_key = parse_key(raw_key)
                 who = self.principal
                 if guard.unnamed:
+                    name = getattr(who, "name", repr(who))
                     raise PrincipalMisconfigured(
-                        f"{scope['method']} {route} does not use the dependency {who!r} "
-                        "names callers by, so a keyed request there cannot be scoped to "
-                        "its caller: add Depends(...) of it to the route, or exempt the "
-                        "route with Policy(enabled=False)."
+                        f"{scope['method']} {route} does not use {name}, the dependency "
+                        f"principal={who!r} names callers by, so a keyed request there "
+                        f"cannot be scoped to its caller: add Depends({name}) to the "
+                        "route, or exempt it with Policy(enabled=False)."
                     )
                 principal = None if isinstance(who, DependencyPrincipal) else who(scope)
                 if type(principal) is not str and inspect.isawaitable(principal):

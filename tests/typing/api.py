@@ -203,6 +203,11 @@ def middleware(store: Store) -> IdempotencyMiddleware:
     IdempotencyMiddleware(inner, store=store, principal=from_session("user_id"))
     IdempotencyMiddleware(inner, store=store, principal=from_user(identity=str))
     IdempotencyMiddleware(inner, store=store, principal=from_dependency(lambda: "alice"))
+    IdempotencyMiddleware(
+        inner, store=store, principal=from_dependency(lambda: "alice", identity="username")
+    )
+    IdempotencyMiddleware(inner, store=store, principal=from_user(identity="username"))
+    from_user(identity=3)  # type: ignore[arg-type]  # a function or an attribute name
     from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required
     IdempotencyMiddleware(inner, store)  # type: ignore[call-arg]  # the store by keyword
