@@ -44,6 +44,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asgi_idempotency.principals import ANONYMOUS
+
 if TYPE_CHECKING:  # imported where used, as the other variants do not need it
     import asyncpg
 
@@ -461,6 +463,7 @@ def create() -> Starlette:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )

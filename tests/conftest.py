@@ -31,6 +31,7 @@ from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
@@ -530,7 +531,9 @@ def tiny() -> TinyFactory:
                 Route("/boom", boom, methods=["POST"]),
                 Route("/cookie", cookie, methods=["POST"]),
             ],
-            middleware=[Middleware(IdempotencyMiddleware, store=store, **kwargs)],
+            middleware=[
+                Middleware(IdempotencyMiddleware, store=store, **{"principal": ANONYMOUS, **kwargs})
+            ],
         )
         return Tiny(app, calls, gate, entered)
 

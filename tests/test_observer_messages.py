@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.sql import SQLStore
 from tests.conftest import PgServer
 
@@ -60,7 +61,7 @@ async def _post(url: str) -> httpx.Response:
     store = SQLStore(url, command_timeout=2)
     app = Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
     )
     try:
         transport = httpx.ASGITransport(app=app)  # no lifespan: checked on the request

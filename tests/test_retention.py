@@ -19,6 +19,7 @@ from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.asgi import Message
 from asgi_idempotency.errors import StoreError
 from asgi_idempotency.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.retention import (
     Pruner,
     PruningMiddleware,
@@ -182,9 +183,7 @@ async def test_background_pruner_prunes_and_survives_store_errors(
                 break
             await asyncio.sleep(0.01)
         assert failing.runs >= 3  # kept going
-    failures = [
-        r for r in caplog.records if r.getMessage().startswith("idempotency.prune_failed ")
-    ]
+    failures = [r for r in caplog.records if r.getMessage().startswith("idempotency.prune_failed ")]
     assert len(failures) >= 3
     assert failures[0].__dict__["error"] == "StoreError"
     assert "error=StoreError detail=" in failures[0].getMessage()  # readable without a formatter
@@ -202,7 +201,9 @@ async def test_pruning_middleware_runs_the_pruner_for_the_lifespan(how: str) -> 
     middleware = (
         Middleware(PruningMiddleware, store=store, interval=3600)
         if how == "PruningMiddleware"
-        else Middleware(IdempotencyMiddleware, store=store, prune_interval=3600)
+        else Middleware(
+            IdempotencyMiddleware, store=store, principal=ANONYMOUS, prune_interval=3600
+        )
     )
     app = Starlette(middleware=[middleware])
 

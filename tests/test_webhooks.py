@@ -80,6 +80,7 @@ class Receiver:
                 Middleware(
                     IdempotencyMiddleware,
                     store=MemoryStore(),
+                    principal=ANONYMOUS,
                     policies={"POST /hooks": Policy(key_from=key_from)},
                 )
             ],
@@ -187,6 +188,7 @@ async def test_delivery_ids_are_scoped_per_sender() -> None:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={
                     "POST /a": Policy(key_from=from_header("X-Delivery", sender="a")),
                     "POST /b": Policy(key_from=from_header("X-Delivery", sender="b")),

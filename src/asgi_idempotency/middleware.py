@@ -34,7 +34,7 @@ from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer
 from .openapi import guard_of_for, install_openapi
 from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
-from .principals import AUTO, DependencyPrincipal, PrincipalFunc
+from .principals import DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
 from .regenerated import RegeneratedKeys
 from .request import guard_headers, host_scope, read_body, replay_body
@@ -49,6 +49,14 @@ _MISSING_KEY_DETAIL = (
     "per logical operation and send the same key on every retry."
 )
 _UNLIMITED = 1 << 62  # report mode reads any body: the app, not the guard, decides its size
+_PRINCIPAL_REQUIRED = (
+    "IdempotencyMiddleware needs principal=, who the caller is (records are kept per "
+    "caller, so one caller never receives another's stored response): "
+    "from_dependency(get_current_user) for a FastAPI auth dependency, from_user() for "
+    "Starlette's AuthenticationMiddleware, from_session('<field>') for SessionMiddleware, "
+    "from_headers('<header>', ...) for headers a gateway has verified, or ANONYMOUS for "
+    "a public or single-caller service (all from asgi_idempotency.principals)."
+)
 _NO_CALLER_DETAIL = (
     "This endpoint keeps each Idempotency-Key per caller, and this request names no "
     "caller: authenticate and retry with the same key."
@@ -62,6 +70,7 @@ class _Guard(NamedTuple):
     route: str  # the route template, the label of logs and metrics
     prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
     header_names: frozenset[bytes]  # the policy's, read here without a property call
+    unnamed: bool = False  # from_dependency, on a route that does not use the dependency
 
 
 class IdempotencyMiddleware:
@@ -76,13 +85,11 @@ class IdempotencyMiddleware:
             when they carry the header (default: key optional, 24 h ttl, 30 s lease).
         methods: methods guarded by default (default POST and PATCH). Safe methods
             (GET, HEAD, OPTIONS, TRACE) are never guarded.
-        principal: who owns a key (:mod:`asgi_idempotency.principals`):
+        principal: who owns a key (:mod:`asgi_idempotency.principals`), required:
             ``from_dependency(dep)`` (FastAPI), ``from_user()``, ``from_session(field)``,
-            ``from_headers(*names)``, ``ANONYMOUS``, or any ``scope -> str | None``
-            (sync or async; ``None`` answers 401). Default: an authenticated
-            ``scope["user"]``'s identity; anonymous only for requests that carry no
-            credentials; where the app tells callers apart in a way the guard cannot
-            see, it refuses (at startup, else 500 on the request) naming the helper.
+            ``from_headers(*names)``, ``ANONYMOUS`` (a public or single-caller
+            service), or any ``scope -> str | None`` (sync or async; ``None`` answers
+            401). There is no default: one would have to guess who the caller is.
         scope_by_host: the request's host is part of every record's scope (default),
             so tenant-per-subdomain apps whose user ids are tenant-local stay apart:
             the ``Host`` name without its port, and the names a proxy passes on in
@@ -112,15 +119,28 @@ class IdempotencyMiddleware:
             is counted and logged. Default ``"enforce"``.
     """
 
+    # A guard marks itself so that the route walk can tell a mounted app with a guard of
+    # its own (policy.carries_guard) without importing this module.
+    asgi_idempotency_guard = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> IdempotencyMiddleware:
+        # Before __init__ binds its arguments: Python's own "missing 1 required
+        # keyword-only argument" would not say what to pass. (No arguments at all is
+        # copy or pickle recreating an instance; a subclass may supply its own.)
+        constructing = bool(args or kwargs) and cls.__init__ is IdempotencyMiddleware.__init__
+        if constructing and kwargs.get("principal") is None:
+            raise TypeError(_PRINCIPAL_REQUIRED)
+        return super().__new__(cls)
+
     def __init__(
         self,
         app: ASGIApp,
         *,
         store: Store,
+        principal: PrincipalFunc | DependencyPrincipal,
         policies: Mapping[str, Policy] | None = None,
         default_policy: Policy | None = None,
         methods: Iterable[str] = ("POST", "PATCH"),
-        principal: PrincipalFunc | DependencyPrincipal | None = None,
         scope_by_host: bool = True,
         fail_open: bool = False,
         metrics: MetricsSink | None = None,
@@ -135,7 +155,9 @@ class IdempotencyMiddleware:
         self.policies = dict(policies or {})
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in methods)
-        self.principal = AUTO if principal is None else principal
+        if not (callable(principal) or isinstance(principal, DependencyPrincipal)):
+            raise TypeError(f"principal= {principal!r} is not a principal: " + _PRINCIPAL_REQUIRED)
+        self.principal = principal
         self.scope_by_host = scope_by_host
         self.fail_open = fail_open
         self.metrics = metrics
@@ -149,7 +171,7 @@ class IdempotencyMiddleware:
         if mode not in ("enforce", "report"):
             raise ValueError(f"mode must be 'enforce' or 'report', not {mode!r}")
         self.mode = mode
-        self._resolve = RouteResolver(self._decide)
+        self._resolve = RouteResolver(self._decide, guard=self)
         label = type(store).__name__
         dialect = getattr(store, "dialect", None)
         self._observer = Observer(metrics, f"{label}/{dialect}" if dialect else label)
@@ -303,19 +325,14 @@ class IdempotencyMiddleware:
         """
         if method in SAFE_METHODS:
             return None
+        if resolved is not None and resolved.delegated:
+            # A mounted app with its own guard serves the route: that guard decides, by
+            # the principal its app's auth yields, and claims exactly once.
+            return None
         policy = lookup(self._policies, method, resolved, path)
         if policy is None and method in self._methods:
             policy = self._default_policy
         if policy is None or not policy.enabled:
-            return None
-        claims = self._claim_endpoints
-        if (
-            claims is not None
-            and policy.key_from is None
-            and (resolved is None or id(resolved.endpoint) not in claims)
-        ):
-            # from_dependency: a route that does not use the dependency cannot name its
-            # caller (an explicit policy there was refused at startup).
             return None
         return policy
 
@@ -343,7 +360,16 @@ class IdempotencyMiddleware:
             policy = dataclasses.replace(policy, mode="report")  # once per path: cached
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
-        return _Guard(policy, route, request_prefix(method, path), policy.header_names)
+        claims = self._claim_endpoints
+        # from_dependency: a route that does not use the dependency cannot name its
+        # caller. Startup refuses those it sees; one it could not (added since, or not a
+        # FastAPI route) refuses keyed requests rather than run them unguarded.
+        unnamed = (
+            claims is not None
+            and policy.key_from is None
+            and (resolved is None or id(resolved.endpoint) not in claims)
+        )
+        return _Guard(policy, route, request_prefix(method, path), policy.header_names, unnamed)
 
     async def _read(
         self, guard: _Guard, scope: Scope, receive: Receive, send: Send
@@ -356,7 +382,7 @@ class IdempotencyMiddleware:
             await self._answer(self._refusal, guard, scope, receive, send)
             return None
         try:
-            raw_key, content_type, declared_length, hosts, credential = guard_headers(
+            raw_key, content_type, declared_length, hosts, _credential = guard_headers(
                 scope["headers"]
             )
             if raw_key is None and policy.key_from is None:
@@ -376,10 +402,15 @@ class IdempotencyMiddleware:
                 assert raw_key is not None
                 client_key = parse_key(raw_key)
                 who = self.principal
-                if who is AUTO:
-                    principal = AUTO.of(scope, credential)
-                else:
-                    principal = None if isinstance(who, DependencyPrincipal) else who(scope)
+                if guard.unnamed:
+                    name = getattr(who, "name", repr(who))
+                    raise PrincipalMisconfigured(
+                        f"{scope['method']} {route} does not use {name}, the dependency "
+                        f"principal={who!r} names callers by, so a keyed request there "
+                        f"cannot be scoped to its caller: add Depends({name}) to the "
+                        "route, or exempt it with Policy(enabled=False)."
+                    )
+                principal = None if isinstance(who, DependencyPrincipal) else who(scope)
                 if type(principal) is not str and inspect.isawaitable(principal):
                     principal = await principal
                 if principal is None and self._claim_endpoints is None:
@@ -479,7 +510,7 @@ class IdempotencyMiddleware:
         """
         found = [p for p in (*self.policies.values(), self.default_policy) if p.transactional]
         if app is not None:
-            found += [p for p in iter_endpoint_policies(app) if p.transactional]
+            found += [p for p in iter_endpoint_policies(app, self) if p.transactional]
         if not found:
             return
         store = self.store

@@ -46,7 +46,7 @@ from .errors import (
 )
 from .keys import MAX_KEY_LENGTH
 from .policy import Policy, ResolvedRoute, expand_routes
-from .principals import ANONYMOUS, AUTO, DependencyPrincipal
+from .principals import ANONYMOUS, DependencyPrincipal
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -205,10 +205,9 @@ class _MiddlewareGuardOf:
         """Whether the guard answers 401 (``PrincipalMissing``) to a request naming no
         caller: a ``principal`` that may return ``None`` (``from_user``, ``from_session``,
         ``from_headers``, a callable of the app's). Not ``ANONYMOUS``, never ``None``;
-        not the default, which refuses with 500 where it cannot tell callers apart;
         not ``from_dependency``, where the app's own auth dependency answers the 401."""
         who = self.middleware.principal
-        return who is not ANONYMOUS and who is not AUTO and not isinstance(who, DependencyPrincipal)
+        return who is not ANONYMOUS and not isinstance(who, DependencyPrincipal)
 
 
 class _RouteIndex:

@@ -255,6 +255,48 @@ def policy_of(endpoint: Any) -> Policy | None:
 class ResolvedRoute:
     template: str  # e.g. "/orders/{order_id}/refunds", mount prefixes included
     endpoint: Any
+    # Served by a mounted app with its own IdempotencyMiddleware, which decides: its
+    # principal is the one that app's auth yields (template: the Mount's path).
+    delegated: bool = False
+
+
+def mounted_app(mount: Mount) -> Any:
+    """The app a Mount was given, inside the Mount's own ``middleware=``."""
+    return getattr(mount, "_base_app", mount.app)
+
+
+def mount_level_guard(mount: Mount, besides: object = None) -> bool:
+    """Whether a guard other than ``besides`` is in the Mount's own ``middleware=``. Such a
+    guard resolves routes through the enclosing app's router with the Mount's
+    ``root_path`` and finds none of them, so it cannot decide there."""
+    node: Any = mount.app
+    base = mounted_app(mount)
+    for _ in range(100):
+        if node is None or node is base:
+            return False
+        if getattr(type(node), "asgi_idempotency_guard", False) and node is not besides:
+            return True
+        node = getattr(node, "app", None)
+    return False
+
+
+def carries_guard(app: Any, besides: object = None) -> bool:
+    """Whether ``app`` (a Mount's app) has an IdempotencyMiddleware of its own, other than
+    ``besides`` (the guard asking): wrapping it, in the Mount's own middleware, or in a
+    Starlette app's middleware (built, or still only listed)."""
+    node = app
+    for _ in range(100):  # a chain that loops is not followed for ever
+        if node is None:
+            return False
+        if getattr(type(node), "asgi_idempotency_guard", False) and node is not besides:
+            return True
+        stack = getattr(node, "middleware_stack", None)
+        if stack is None:  # not built yet: what it will build
+            for entry in getattr(node, "user_middleware", ()):
+                if getattr(getattr(entry, "cls", None), "asgi_idempotency_guard", False):
+                    return True
+        node = stack if stack is not None else getattr(node, "app", None)
+    return False
 
 
 def expand_routes(routes: Iterable[Any]) -> list[Any]:
@@ -287,8 +329,9 @@ class _Walk:
     and whose route lists it looked at (the router, the Mounts it entered) with their
     lengths then, so a cached answer can tell that a route was added or removed since."""
 
-    def __init__(self, expand: Callable[[list[Any]], list[Any]]) -> None:
+    def __init__(self, expand: Callable[[list[Any]], list[Any]], guard: object) -> None:
         self.expand = expand
+        self.guard = guard
         self.cacheable = True
         self.seen: list[tuple[Any, int]] = []
 
@@ -305,6 +348,8 @@ class _Walk:
                 continue
             if match is not Match.FULL:
                 continue
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), self.guard):
+                return ResolvedRoute(prefix + original.path, original.app, delegated=True)
             if isinstance(original, (Mount, Host)):
                 sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
                 found = self(original, {**scope, **child}, sub_prefix)
@@ -342,9 +387,10 @@ class RouteResolver(Generic[T]):
     starts over. Call :meth:`clear` when what ``decide`` reads changes.
     """
 
-    def __init__(self, decide: Decide[T], maxsize: int = 4096) -> None:
+    def __init__(self, decide: Decide[T], maxsize: int = 4096, *, guard: object = None) -> None:
         self.maxsize = maxsize
         self._decide = decide
+        self._guard = guard  # the guard resolving: a Mount with another guard is that one's
         # (id(router), method, root_path, path) -> (answer, router, [(route owner, len)])
         self._answers: dict[tuple[int, str, str, str], tuple[T, Any, list[tuple[Any, int]]]] = {}
         # id(routes list) -> (the list, its length then, the flattened routes)
@@ -377,7 +423,7 @@ class RouteResolver(Generic[T]):
             answer = self._decide(scope, None, False)
             seen: list[tuple[Any, int]] = []
         else:
-            walk = _Walk(self._expand)
+            walk = _Walk(self._expand, self._guard)
             found = walk(router, dict(scope), "")
             answer = self._decide(scope, found, True)
             if not walk.cacheable:
@@ -389,13 +435,16 @@ class RouteResolver(Generic[T]):
         return answer
 
 
-def iter_endpoint_policies(app: Any) -> list[Policy]:
-    """Every ``@idempotent`` policy on an endpoint the app's router can reach."""
+def iter_endpoint_policies(app: Any, guard: object = None) -> list[Policy]:
+    """Every ``@idempotent`` policy on an endpoint the app's router can reach, except in
+    Mounts whose app has a guard other than ``guard``."""
     found: list[Policy] = []
 
     def walk(routes: Iterable[Any]) -> None:
         for route in expand_routes(routes):
             original = getattr(route, "original_route", route)
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+                continue  # its own guard checks its policies
             if isinstance(original, (Mount, Host)):
                 walk(original.routes)
                 continue

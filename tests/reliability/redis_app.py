@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Policy
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.redis import RedisStore
 
 APP = "tests.reliability.redis_app:app"
@@ -94,6 +95,7 @@ def create_app(url: str, effects_path: Path, lease: float) -> Starlette:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /orders/{order}/refunds": policy},
             )
         ],

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from asgi_idempotency import SQLStore, StoredResponse, cli, lifecycle
 from asgi_idempotency.errors import SchemaMissing, StoreError
 from asgi_idempotency.lifecycle import ClaimOutcome
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim
 from asgi_idempotency.stores.mysql import MySQLDriver
 from tests.conftest import MariaDBServer, TinyFactory, emptied
@@ -431,7 +432,9 @@ def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
 
     store = SQLStore(mariadb_url)  # never used: nothing to close on a loop
     with pytest.raises(ValueError, match="needs SQLStore on Postgres") as caught:
-        IdempotencyMiddleware(app, store=store, policies={"POST /x": Policy(transactional=True)})
+        IdempotencyMiddleware(
+            app, store=store, principal=ANONYMOUS, policies={"POST /x": Policy(transactional=True)}
+        )
     assert "SQLStore on mariadb does not hold the claim" in str(caught.value)
 
 

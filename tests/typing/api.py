@@ -170,13 +170,15 @@ def app(store: Store, metrics: InMemoryMetrics) -> Starlette:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /refunds": Policy(required=True)},
                 metrics=metrics,
             ),
             Middleware(PruningMiddleware, store=store, interval=300.0),
         ],
     )
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)
+    app.add_middleware(IdempotencyMiddleware, store=store)  # type: ignore[call-arg]  # principal=
     Middleware(IdempotencyMiddleware, stor=store)  # type: ignore[call-arg]  # misspelt
     return app
 
@@ -202,10 +204,16 @@ def middleware(store: Store) -> IdempotencyMiddleware:
     IdempotencyMiddleware(inner, store=store, principal=from_session("user_id"))
     IdempotencyMiddleware(inner, store=store, principal=from_user(identity=str))
     IdempotencyMiddleware(inner, store=store, principal=from_dependency(lambda: "alice"))
+    IdempotencyMiddleware(
+        inner, store=store, principal=from_dependency(lambda: "alice", identity="username")
+    )
+    IdempotencyMiddleware(inner, store=store, principal=from_user(identity="username"))
+    from_user(identity=3)  # type: ignore[arg-type]  # a function or an attribute name
     from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required
     IdempotencyMiddleware(inner, store)  # type: ignore[call-arg]  # the store by keyword
-    IdempotencyMiddleware(inner, store=store, retry_after=timedelta(seconds=1))  # type: ignore[arg-type]  # seconds
+    IdempotencyMiddleware(inner, store=store)  # type: ignore[call-arg]  # principal= is required
+    IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, retry_after=timedelta(seconds=1))  # type: ignore[arg-type]  # seconds
     assert_type(guard.snapshot(), MetricsSnapshot)
     return guard
 
