@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
     from .errors import (
+        AppNotStarted,
         BodyTooLarge,
+        GuardMisconfigured,
         IdempotencyError,
         InProgress,
         InvalidKey,
         InvalidSignature,
         KeyMismatch,
         KeyReused,
+        MiddlewareMisplaced,
         MissingKey,
         OnceError,
         PrincipalMisconfigured,
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
     from .stores.sql import SQLStore
 
 __all__ = [
+    "AppNotStarted",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -70,6 +74,7 @@ __all__ = [
     "Claim",
     "ClaimOutcome",
     "FanOutMetrics",
+    "GuardMisconfigured",
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
@@ -80,6 +85,7 @@ __all__ = [
     "KeyReused",
     "MemoryStore",
     "MetricsSnapshot",
+    "MiddlewareMisplaced",
     "MissingKey",
     "NewClaim",
     "Once",
@@ -138,6 +144,9 @@ _WHERE = {
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",
+    "GuardMisconfigured": ".errors",
+    "MiddlewareMisplaced": ".errors",
+    "AppNotStarted": ".errors",
     "PrincipalMissing": ".errors",
     "ResponseNotKept": ".errors",
     "SchemaMissing": ".errors",
@@ -162,9 +171,10 @@ _WHERE = {
     "RedisStore": ".stores.redis",  # the redis extra: reachable, not star-exported
 }
 
-# A library leaves log output to the application: without a handler of its own, a
-# process that configures no logging gets WARNING and up printed by Python's
-# last-resort handler. See the logging HOWTO, "Configuring Logging for a Library".
+# A library leaves log output to the application (the logging HOWTO, "Configuring
+# Logging for a Library"). The one exception: a middleware, once started, shows
+# WARNING and up in the server's log while the app configures no handler at all
+# (observer.route_to_server_log), since uvicorn configures only its own loggers.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 try:
