@@ -412,3 +412,43 @@ def test_a_failing_stores_reason_reaches_uvicorns_default_output(
     assert "idempotency.store_error route=/refunds" in out, out
     assert "ConnectionRefusedError: [Errno 111] Connection refused" in out, out  # the reason
     assert "s3cret" not in out
+
+
+_LOGS_ONE = """
+import asyncio, logging, sys
+{configure}
+from asgi_idempotency import IdempotencyMiddleware, MemoryStore
+from asgi_idempotency.principals import ANONYMOUS
+
+async def bare(scope, receive, send):
+    pass
+
+async def main():
+    guard = IdempotencyMiddleware(bare, store=MemoryStore(), principal=ANONYMOUS)
+    scope = {{"type": "http", "method": "GET", "path": "/", "headers": []}}
+    await guard(scope, None, None)  # starts the guard
+    logging.getLogger("asgi_idempotency").error("idempotency.test detail=the reason")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("configure", "stdout", "stderr"),
+    [
+        ("", 0, 1),  # nothing configured, no uvicorn: stderr, once
+        ("logging.basicConfig(stream=sys.stdout)", 1, 0),  # the app's handler alone
+    ],
+)
+def test_the_package_log_goes_to_stderr_only_while_nothing_else_shows_it(
+    configure: str, stdout: int, stderr: int
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _LOGS_ONE.format(configure=configure)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("idempotency.test detail=the reason") == stdout, done.stdout
+    assert done.stderr.count("idempotency.test detail=the reason") == stderr, done.stderr
