@@ -5,9 +5,9 @@ setups print) shows nothing but the message: it must be one line that says what
 failed and what to do, for a missing table and for a database that does not answer.
 The structured fields (``extra``) stay as they were.
 
-With no logging configured at all the package prints nothing (its logger has a
-``NullHandler``, see the README's Log events): these lines appear once the
-application configures logging.
+With no logging configured at all, a started middleware shows WARNING and up in
+uvicorn's output or on stderr (docs/operations.md, Log events;
+tests/test_startup_refusals.py serves one with uvicorn).
 """
 
 from __future__ import annotations

@@ -221,22 +221,21 @@ def test_non_positive_durations_are_refused_by_name(name: str, value: timedelta)
 
 
 async def test_routes_added_after_the_first_request_are_resolved() -> None:
+    # The policy is the endpoint's: a policies-map entry naming a route the app does not
+    # serve yet is refused at the first request (test_startup_refusals.py).
     calls: list[str] = []
 
+    @idempotent(required=True)
     async def late(request: Request) -> JSONResponse:
         calls.append("late")
         return JSONResponse({}, status_code=201)
 
+    async def early(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
     app = Starlette(
-        routes=[Route("/early", late, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=MemoryStore(),
-                principal=ANONYMOUS,
-                policies={"POST /late": Policy(required=True)},
-            )
-        ],
+        routes=[Route("/early", early, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         assert (await c.post("/late")).status_code == 404
@@ -276,19 +275,16 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
 
 async def test_routes_added_inside_a_mount_after_the_first_request_are_resolved() -> None:
     # The top-level route list keeps its length here; the Mount's list is what grows.
+    @idempotent(required=True)
     async def late(request: Request) -> JSONResponse:
         return JSONResponse({}, status_code=201)
 
+    async def early(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
     app = Starlette(
-        routes=[Mount("/api", routes=[Route("/early", late, methods=["POST"])])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=MemoryStore(),
-                principal=ANONYMOUS,
-                policies={"POST /api/late": Policy(required=True)},
-            )
-        ],
+        routes=[Mount("/api", routes=[Route("/early", early, methods=["POST"])])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         assert (await c.post("/api/late")).status_code == 404

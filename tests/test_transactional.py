@@ -244,7 +244,9 @@ async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
         sent.append(message)
 
     try:
-        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+        # Reported to the server, then raised, as Starlette's own failing startup does.
+        with pytest.raises(ValueError, match="transactional"):
+            await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
     finally:
         await store.close()
     assert sent[0]["type"] == "lifespan.startup.failed"

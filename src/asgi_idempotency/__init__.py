@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
     from .errors import (
+        AppNotStarted,
         BodyTooLarge,
+        GuardMisconfigured,
         IdempotencyError,
         InProgress,
         InvalidHost,
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
         InvalidSignature,
         KeyMismatch,
         KeyReused,
+        MiddlewareMisplaced,
         MissingKey,
         OnceError,
         PrincipalMisconfigured,
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
     from .stores.sql import SQLStore
 
 __all__ = [
+    "AppNotStarted",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -71,6 +75,7 @@ __all__ = [
     "Claim",
     "ClaimOutcome",
     "FanOutMetrics",
+    "GuardMisconfigured",
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
@@ -82,6 +87,7 @@ __all__ = [
     "KeyReused",
     "MemoryStore",
     "MetricsSnapshot",
+    "MiddlewareMisplaced",
     "MissingKey",
     "NewClaim",
     "Once",
@@ -141,6 +147,9 @@ _WHERE = {
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",
+    "GuardMisconfigured": ".errors",
+    "MiddlewareMisplaced": ".errors",
+    "AppNotStarted": ".errors",
     "PrincipalMissing": ".errors",
     "ResponseNotKept": ".errors",
     "SchemaMissing": ".errors",
@@ -165,9 +174,10 @@ _WHERE = {
     "RedisStore": ".stores.redis",  # the redis extra: reachable, not star-exported
 }
 
-# A library leaves log output to the application: without a handler of its own, a
-# process that configures no logging gets WARNING and up printed by Python's
-# last-resort handler. See the logging HOWTO, "Configuring Logging for a Library".
+# A library leaves log output to the application (the logging HOWTO, "Configuring
+# Logging for a Library"). The one exception: a middleware, once started, shows
+# WARNING and up in the server's log while the app configures no handler at all
+# (observer.route_to_server_log), since uvicorn configures only its own loggers.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 try:

@@ -132,21 +132,21 @@ def uvicorn_process(
     ready_path: str = "/refunds/count",
     timeout: float = 30.0,
     cwd: Path | None = None,
+    log_level: str | None = "warning",
 ) -> Iterator[UvicornProcess]:
     """Run ``uvicorn app --fd N *args`` on a socket bound here; yield once it answers.
 
     ``env`` is added to this process's environment; the child's output goes to
-    ``log``; it runs in ``cwd`` (default: this process's working directory). Ready
+    ``log``; it runs in ``cwd`` (default: this process's working directory), with
+    ``--log-level log_level`` (``None``: uvicorn's default, as a user runs it). Ready
     means ``GET ready_path`` answered below 500. The process group is SIGKILLed on
     exit. Raises ``RuntimeError`` (with the log) if uvicorn exits, or has not
     answered within ``timeout`` seconds.
     """
     with loopback_socket() as sock:
         fd = sock.fileno()
-        cmd = [
-            sys.executable, "-m", "uvicorn", app,
-            "--fd", str(fd), "--log-level", "warning", *args,
-        ]  # fmt: skip
+        level = ("--log-level", log_level) if log_level is not None else ()
+        cmd = [sys.executable, "-m", "uvicorn", app, "--fd", str(fd), *level, *args]
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 cmd,

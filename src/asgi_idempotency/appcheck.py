@@ -1,8 +1,8 @@
 """Startup checks against the app the guard wraps: refuse what would guard wrongly.
 
-Run once, at lifespan startup (a problem fails startup with a message naming the
-fix) or, for an app served without lifespan, before its first request (a problem is
-then answered 500 on guarded requests, and logged). What is checked:
+Run at lifespan startup (a problem fails startup with a message naming the fix) or,
+for an app served without lifespan, before its first request (a problem is then
+answered 500 on every guarded request, and logged). What is checked:
 
 - **who the caller is**: the middleware a principal helper reads from placed outside
   the guard; with :func:`~.principals.from_dependency`, every route the guard would
@@ -25,6 +25,7 @@ from typing import Any
 
 from starlette.routing import Host, Mount
 
+from .errors import GuardMisconfigured, MiddlewareMisplaced, PrincipalMisconfigured
 from .policy import (
     Policy,
     ResolvedRoute,
@@ -62,15 +63,26 @@ _MOVE = (
 class StartupReport:
     """What the checks found, and what the guard set up on the way."""
 
-    problems: list[str] = field(default_factory=list)
-    # Policies-map entries naming no route: refused at startup; before the first request
-    # of an app without lifespan only logged, since routes may still be added then.
+    problems: list[str] = field(default_factory=list)  # who the caller is
+    order: list[str] = field(default_factory=list)  # middleware inside the guard
+    # Policies-map entries naming no route or method the app serves.
     unmatched: list[str] = field(default_factory=list)
     claim_endpoints: set[int] = field(default_factory=set)  # ids of endpoints given the claim
 
-    def message(self) -> str:
-        lines = "\n".join(f"- {p}" for p in self.problems)
-        return f"IdempotencyMiddleware cannot guard this app safely as wired:\n{lines}"
+    def refusal(self, others: Iterable[str] = ()) -> GuardMisconfigured | None:
+        """Every problem found (and ``others``), as the error that names their kind."""
+        problems = [*self.problems, *self.order, *self.unmatched, *others]
+        if not problems:
+            return None
+        kind = GuardMisconfigured
+        if problems == self.problems:
+            kind = PrincipalMisconfigured
+        elif problems == self.order:
+            kind = MiddlewareMisplaced
+        if len(problems) == 1:
+            return kind(problems[0])
+        lines = "\n".join(f"- {p}" for p in problems)
+        return kind(f"IdempotencyMiddleware cannot guard this app safely as wired:\n{lines}")
 
 
 def _chain(node: Any, until: Any = None) -> list[Any]:
@@ -176,7 +188,7 @@ def inspect_app(
             principal, DependencyPrincipal
         ):
             continue  # read by the app's dependency, after them: their place does not matter
-        problems.append(f"{name} is inside IdempotencyMiddleware: {why}. {_MOVE}")
+        report.order.append(f"{name} is inside IdempotencyMiddleware: {why}. {_MOVE}")
 
     names = outside | set(inside)
     if isinstance(principal, _FromUser) and "AuthenticationMiddleware" not in names:

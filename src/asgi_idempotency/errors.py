@@ -12,7 +12,10 @@
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After; no-store)
     ├── ResponseNotKept         410  stored for a streamed response too large to keep
     ├── PrincipalMissing        401  the request names no caller, and keys are per caller
-    ├── PrincipalMisconfigured  500  the guard cannot tell callers apart as wired: names the fix
+    ├── GuardMisconfigured      500  the startup checks refuse the app as wired: names the fix
+    │   ├── PrincipalMisconfigured   the guard cannot tell callers apart as wired
+    │   └── MiddlewareMisplaced      middleware inside the guard that must run before it
+    ├── AppNotStarted           503  the app's startup has not completed, or failed (no-store)
     └── StoreUnavailable        503  the store failed, the handler never ran (Retry-After; no-store)
 
     StoreError                  infrastructure: a store could not answer (unreachable,
@@ -56,7 +59,9 @@ import orjson
 from .asgi import Send, send_response
 
 __all__ = [
+    "AppNotStarted",
     "BodyTooLarge",
+    "GuardMisconfigured",
     "IdempotencyError",
     "InProgress",
     "InvalidHost",
@@ -64,6 +69,7 @@ __all__ = [
     "InvalidSignature",
     "KeyMismatch",
     "KeyReused",
+    "MiddlewareMisplaced",
     "MissingKey",
     "OnceError",
     "PrincipalMisconfigured",
@@ -187,7 +193,21 @@ class PrincipalMissing(IdempotencyError):
     title = "Caller not identified"
 
 
-class PrincipalMisconfigured(IdempotencyError):
+class GuardMisconfigured(IdempotencyError):
+    """The startup checks refuse the app as wired; the detail names each problem and its fix.
+
+    Raised (as ``ValueError``, failing lifespan startup) where the guard can see it,
+    else answered 500 on every guarded request of an app served without lifespan:
+    guarding by a guess could run an effect twice or replay one caller's response to
+    another. Its subclasses name the kind when every problem is of one kind.
+    """
+
+    status = 500
+    slug = "guard-misconfigured"
+    title = "The idempotency guard cannot run safely as the app is wired"
+
+
+class PrincipalMisconfigured(GuardMisconfigured):
     """The guard cannot tell callers apart as the app is wired; the detail names the fix.
 
     A configuration error, raised at startup where the guard can see it, else answered
@@ -195,9 +215,27 @@ class PrincipalMisconfigured(IdempotencyError):
     could hand one caller another's stored response.
     """
 
-    status = 500
     slug = "principal-unknown"
     title = "The idempotency guard cannot identify the caller"
+
+
+class MiddlewareMisplaced(GuardMisconfigured):
+    """Middleware that must run before the guard (authentication, session, CORS, GZip,
+    TrustedHost) is inside it; the detail names it and where to add it."""
+
+    slug = "middleware-order"
+    title = "Middleware is in the wrong order around the idempotency guard"
+
+
+class AppNotStarted(IdempotencyError):
+    """A guarded request reached an app whose lifespan startup began but did not complete
+    (still running, or failed): the handler never runs before the guard's checks and the
+    store's have passed. The reason is in the server's log, never in the detail."""
+
+    status = 503
+    slug = "not-started"
+    title = "The app has not finished starting"
+    no_store = True
 
 
 class StoreUnavailable(IdempotencyError):

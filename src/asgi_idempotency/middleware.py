@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 from .appcheck import StartupReport, inspect_app
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
+    AppNotStarted,
     BodyTooLarge,
     IdempotencyError,
     InvalidHost,
@@ -31,9 +32,16 @@ from .errors import (
 from .fingerprint import fingerprint_after, request_prefix
 from .keys import parse_key, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
-from .observer import Observer
+from .observer import Observer, route_to_server_log
 from .openapi import guard_of_for, install_openapi
-from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
+from .policy import (
+    Policy,
+    ResolvedRoute,
+    RouteResolver,
+    iter_endpoint_policies,
+    lookup,
+    normalise_policies,
+)
 from .principals import DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
 from .regenerated import RegeneratedKeys
@@ -61,6 +69,14 @@ _NO_CALLER_DETAIL = (
     "This endpoint keeps each Idempotency-Key per caller, and this request names no "
     "caller: authenticate and retry with the same key."
 )
+_NOT_STARTED_DETAIL = (
+    "The app's startup has not completed, so this request was not processed; retry "
+    "with the same Idempotency-Key once the app is up."
+)
+_STARTUP_FAILED_DETAIL = (
+    "The app's startup failed, so this request was not processed; the reason is in the "
+    "server's log."
+)
 
 
 class _Guard(NamedTuple):
@@ -80,7 +96,10 @@ class IdempotencyMiddleware:
         app: the ASGI app to guard.
         store: a :class:`~asgi_idempotency.SQLStore` or :class:`~asgi_idempotency.MemoryStore`.
         policies: explicit policies by ``"METHOD /route/{template}"`` (or a bare template
-            for every method); they win over ``@idempotent`` on the endpoint.
+            for every method); they win over ``@idempotent`` on the endpoint. The method
+            is case-insensitive (``"post /refunds"`` is ``"POST /refunds"``); two entries
+            naming the same route and method raise ``ValueError``. An entry naming no
+            route or method the app serves is refused by the startup checks.
         default_policy: applied to requests in ``methods`` on routes with no policy,
             when they carry the header (default: key optional, 24 h ttl, 30 s lease).
         methods: methods guarded by default (default POST and PATCH). Safe methods
@@ -186,7 +205,9 @@ class IdempotencyMiddleware:
         # The checks against the app (appcheck.py) and, for from_dependency, the claim
         # added to FastAPI routes: at lifespan startup, else before the first request.
         self._started = False
-        self._refusal: PrincipalMisconfigured | None = None
+        # What every guarded request is answered while set, the handler never run: the
+        # checks' refusal, or a lifespan startup that has not completed (or failed).
+        self._refusal: IdempotencyError | None = None
         self._claim_endpoints: set[int] | None = None  # from_dependency: endpoints that claim
 
     @classmethod
@@ -227,7 +248,7 @@ class IdempotencyMiddleware:
 
     @policies.setter
     def policies(self, value: Mapping[str, Policy]) -> None:
-        self._policies = MappingProxyType(dict(value))
+        self._policies = MappingProxyType(normalise_policies(value))
         self._forget_decisions()
 
     @property
@@ -283,40 +304,38 @@ class IdempotencyMiddleware:
         await Responder(self._runtime, request, scope, receive, send).run()
 
     def _start(self, app: Any, *, on_request: bool) -> None:
-        """The checks against ``app``, once. At startup a problem raises; before the first
-        request of an app served without lifespan, guarded requests are answered 500.
+        """The checks against ``app``. A problem found at lifespan startup raises; before
+        the first request of an app served without lifespan, the same checks run and a
+        problem is logged and answered 500, naming it, on every guarded request.
 
         Raises:
             ValueError: the app cannot be guarded safely as wired (startup only).
         """
         self._started = True
-        problems: list[str] = []
+        route_to_server_log()
+        others: list[str] = []
         try:
             self.check_policies(app)
         except ValueError as exc:
-            problems.append(str(exc))
+            others.append(str(exc))
+        report = StartupReport()
         if app is not None:
             report = inspect_app(app, self, self.principal, self._policies, self._policy_for)
-            problems += report.problems
-            claims = report.claim_endpoints
-            if not on_request:
-                problems += report.unmatched
-            elif report.unmatched:
-                self._observer.refused("<startup>", ValueError("; ".join(report.unmatched)))
-        else:
-            claims = set()
+        refusal = report.refusal(others)
+        # Kept at startup too: a server that serves on after a failed startup (or a test
+        # client used without its ``with`` afterwards) must not run a handler unguarded.
+        self._refusal = refusal
         if isinstance(self.principal, DependencyPrincipal):
-            self._claim_endpoints = claims
+            # Refused: every route its policy guards is answered the refusal, including
+            # those that do not use the dependency (left open only once the checks pass).
+            self._claim_endpoints = report.claim_endpoints if refusal is None else None
         self._forget_decisions()
         install_openapi(app, guard_of_for(self, app))
-        if problems:
-            message = (
-                "\n".join(problems) if len(problems) == 1 else StartupReport(problems).message()
-            )
-            if not on_request:
-                raise ValueError(message)
-            self._refusal = PrincipalMisconfigured(message)
-            self._observer.refused("<startup>", self._refusal)
+        if refusal is None:
+            return
+        if not on_request:
+            raise ValueError(str(refusal))  # the server prints lifespan.startup.failed's message
+        self._observer.refused("<startup>", refusal)
 
     def guard_for(self, method: str, resolved: ResolvedRoute | None, path: str) -> Policy | None:
         """How a request of ``method`` to ``resolved`` (at ``path``) is guarded, or ``None``.
@@ -377,9 +396,11 @@ class IdempotencyMiddleware:
         """The guarded request, or ``None`` once the request has been answered or let through."""
         policy, route = guard.policy, guard.route
         observe = self._observer.outcome
-        if self._refusal is not None:
-            observe(route, Outcome.UNIDENTIFIED)
-            await self._answer(self._refusal, guard, scope, receive, send)
+        refusal = self._refusal
+        if refusal is not None:
+            not_started = isinstance(refusal, AppNotStarted)
+            observe(route, Outcome.STORE_UNAVAILABLE if not_started else Outcome.UNIDENTIFIED)
+            await self._answer(refusal, guard, scope, receive, send)
             return None
         try:
             raw_key, content_type, declared_length, hosts, _credential = guard_headers(
@@ -526,14 +547,25 @@ class IdempotencyMiddleware:
             )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the app at startup, then run its lifespan with the store's check.
+
+        A refusal is reported as Starlette reports a failing startup: the server gets
+        ``lifespan.startup.failed`` with the reason (uvicorn prints it and exits non-zero)
+        and the exception is raised (a ``TestClient``'s ``with`` raises it). From
+        ``lifespan.startup`` until ``lifespan.startup.complete`` has gone out, guarded
+        requests are answered 503 and the handler never runs; after a failed startup,
+        503 (or the refusal's 500) for as long as the process serves.
+        """
         message = await receive()
         if message["type"] == "lifespan.startup":
             try:
                 self._start(scope.get("app"), on_request=False)
             except ValueError as exc:
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                return
+                raise
+            self._refusal = AppNotStarted(_NOT_STARTED_DETAIL, retry_after=self.retry_after)
         first = True
+        answered = False
 
         async def replay() -> Message:
             nonlocal first
@@ -542,12 +574,31 @@ class IdempotencyMiddleware:
                 return message
             return await receive()
 
-        prepared = functools.partial(self._readiness.lifespan, self.app)
-        if self.prune_interval is None:
-            await prepared(scope, replay, send)
-            return
-        from .retention import PruningMiddleware
+        async def watch(sent: Message) -> None:
+            nonlocal answered
+            kind = sent["type"]
+            if kind == "lifespan.startup.complete":
+                answered = True
+                self._refusal = None
+            elif kind == "lifespan.startup.failed":
+                answered = True
+                self._refusal = AppNotStarted(_STARTUP_FAILED_DETAIL, retry_after=self.retry_after)
+            await send(sent)
 
-        # The pruner wraps the check, so it starts only once the table is there.
-        pruning = PruningMiddleware(prepared, store=self.store, interval=self.prune_interval)
-        await pruning(scope, replay, send)
+        prepared = functools.partial(self._readiness.lifespan, self.app)
+        try:
+            if self.prune_interval is None:
+                await prepared(scope, replay, watch)
+                return
+            from .retention import PruningMiddleware
+
+            # The pruner wraps the check, so it starts only once the table is there.
+            pruning = PruningMiddleware(prepared, store=self.store, interval=self.prune_interval)
+            await pruning(scope, replay, watch)
+        finally:
+            if not answered and isinstance(self._refusal, AppNotStarted):
+                # The app returned or raised without answering startup: it does not speak
+                # lifespan (uvicorn's default then serves without it), so requests are
+                # served as without lifespan (the store checked on the first guarded
+                # ones); the guard's own checks passed.
+                self._refusal = None

@@ -20,6 +20,7 @@ __all__ = [
     "has_router",
     "idempotent",
     "iter_endpoint_policies",
+    "normalise_policies",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -453,6 +454,29 @@ def iter_endpoint_policies(app: Any, guard: object = None) -> list[Policy]:
                 found.append(policy)
 
     walk(getattr(getattr(app, "router", None), "routes", ()))
+    return found
+
+
+def normalise_policies(policies: Mapping[str, Policy]) -> dict[str, Policy]:
+    """The policies map with each entry spelled as requests are looked up: ``"METHOD
+    /template"`` with the method upper-cased (``"post /refunds"`` is ``"POST /refunds"``,
+    as ``methods=`` is read), or a bare template.
+
+    Raises:
+        ValueError: two entries name the same method and route once normalised.
+    """
+    found: dict[str, Policy] = {}
+    given: dict[str, str] = {}
+    for entry, policy in policies.items():
+        method, _, template = entry.strip().rpartition(" ")
+        method = method.strip().upper()
+        key = f"{method} {template}" if method else template
+        if key in found:
+            raise ValueError(
+                f"policies[{given[key]!r}] and policies[{entry!r}] both name {key!r}: "
+                "keep one (methods are case-insensitive)"
+            )
+        found[key], given[key] = policy, entry
     return found
 
 

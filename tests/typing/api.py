@@ -30,6 +30,7 @@ from starlette.types import Scope
 
 from asgi_idempotency import (
     BUSY,
+    AppNotStarted,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -37,6 +38,7 @@ from asgi_idempotency import (
     Claim,
     ClaimOutcome,
     FanOutMetrics,
+    GuardMisconfigured,
     IdempotencyError,
     IdempotencyMiddleware,
     InMemoryMetrics,
@@ -48,6 +50,7 @@ from asgi_idempotency import (
     KeyReused,
     MemoryStore,
     MetricsSnapshot,
+    MiddlewareMisplaced,
     MissingKey,
     NewClaim,
     Once,
@@ -350,9 +353,13 @@ def errors(exc: Exception) -> int | None:
         StoreUnavailable,
         PrincipalMissing,
         PrincipalMisconfigured,
+        GuardMisconfigured,
+        MiddlewareMisplaced,
+        AppNotStarted,
         ResponseNotKept,
         InvalidSignature,
     ]
+    misplaced: GuardMisconfigured = MiddlewareMisplaced("GZipMiddleware is inside the guard")
     infrastructure: list[type[StoreError]] = [StoreError, SchemaMissing]
     missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
     unavailable: Exception = StoreError.wrap(exc)
@@ -368,6 +375,7 @@ def errors(exc: Exception) -> int | None:
         assert_type(exc.headers(), list[tuple[bytes, bytes]])
         return exc.status
     del tree, infrastructure, unavailable, not_an_answer, answer, in_progress, bad_json, missing
+    del misplaced
     return None
 
 
