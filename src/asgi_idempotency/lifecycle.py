@@ -8,7 +8,7 @@ module says what their answers mean:
 - :func:`claim` — the claim itself, as store primitives: insert, else judge the row
   in the way and, where the request may have it, take it over by compare-and-swap;
 - :func:`completes` — whether a handler's response completes the key or releases it;
-- :func:`completion_retries` — when to try again a completion that the store failed;
+- :func:`completion_backoff` — when to try again a completion that the store failed;
 - :func:`release_orphan` — what becomes of a claim whose requester went away while
   it was in flight (the orphaned claim);
 - :func:`in_progress_wait` — the ``Retry-After`` of a 409.
@@ -51,6 +51,7 @@ __all__ = [
     "RecordState",
     "claim",
     "completes",
+    "completion_backoff",
     "completion_retries",
     "in_progress_wait",
     "judge",
@@ -267,19 +268,21 @@ def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -
 # effect happened: retries get 409 until the lease ends, and then one takes the claim
 # over and runs the handler again. So the owner tries again, in the background (the
 # client already has its answer), keeping its lease renewed meanwhile so that nobody
-# takes the claim over. A few attempts, doubling from this many seconds, all within
-# one lease of the failure: a store that stays down leaves the key as a crash would.
+# takes the claim over (lease.complete_later). A release of an orphaned claim that may
+# never have landed tries a few times only (completion_retries); a completion tries for
+# the lease's life (completion_backoff): a store away for longer than that leaves the
+# key as a crash would.
 COMPLETION_RETRY_FIRST = 0.1
 COMPLETION_RETRIES = 5
+COMPLETION_RETRY_CEILING = 2.0
 
 
 def completion_retries(lease: timedelta) -> list[float]:
-    """Seconds to wait before each further attempt at a completion the store failed.
+    """Seconds to wait before each further attempt at a release of an orphaned claim.
 
     Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s), at most
     :data:`COMPLETION_RETRIES` (5) of them, their sum less than ``lease``; empty when
-    even the first would not fit. Past the last, the owner gives up: the claim stays
-    in progress until its lease ends, as after a crash.
+    even the first would not fit.
     """
     budget = lease.total_seconds()
     delays: list[float] = []
@@ -288,4 +291,24 @@ def completion_retries(lease: timedelta) -> list[float]:
         delays.append(delay)
         total += delay
         delay *= 2
+    return delays
+
+
+def completion_backoff(lease: timedelta) -> list[float]:
+    """Seconds to wait before each further attempt at a completion the store failed.
+
+    Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s) up to
+    :data:`COMPLETION_RETRY_CEILING` (2 s) apart, as many as fit within ``lease`` (their
+    sum less than it): a store that comes back while the claim's lease still holds gets
+    the completion within two seconds. Past the last, the owner gives up: the claim
+    stays in progress until its lease ends, as after a crash. Empty when even the first
+    would not fit.
+    """
+    budget = lease.total_seconds()
+    delays: list[float] = []
+    delay, total = COMPLETION_RETRY_FIRST, 0.0
+    while total + delay < budget:
+        delays.append(delay)
+        total += delay
+        delay = min(delay * 2, COMPLETION_RETRY_CEILING)
     return delays

@@ -48,7 +48,7 @@ import orjson
 from . import lifecycle, tracing
 from .canonical import canonical_json
 from .errors import InProgress, KeyReused, StoreError
-from .lease import LeaseRenewals, Renewal
+from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import ClaimOutcome
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer, store_label
@@ -471,9 +471,18 @@ class Once:
                 )),
             )  # fmt: skip
         except StoreError as exc:
-            # The function ran: its result is the caller's even though it is not stored.
-            # The claim stays in progress until its lease ends (README: guarantees).
+            # The function ran: its result is the caller's even though it is not stored
+            # yet. The completion is tried again in the background under a renewed
+            # lease, for the lease's life, as the HTTP side does (README: guarantees).
             self._observer.store_error(call.namespace, call.key, "complete", exc)
+            retry = complete_later(
+                self.store, self._renewals, self._observer, call.key, owned.token, stored,
+                expires_at, lease=self.lease, every=self._renew_every, route=call.namespace,
+            )  # fmt: skip
+            task = asyncio.ensure_future(retry)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            task.add_done_callback(functools.partial(self._log_failure, call, "complete"))
         else:
             if not done:
                 self._log(logging.ERROR, "idempotency.claim_lost", call, phase="complete")

@@ -52,7 +52,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import scoped_key
-from .lease import LeaseRenewals, Renewal
+from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
@@ -60,7 +60,6 @@ from .policy import Policy
 from .regenerated import RegeneratedKeys
 from .stores.base import (
     NewClaim,
-    RecordStatus,
     Store,
     StoredResponse,
     StoreTransaction,
@@ -144,72 +143,18 @@ class Runtime:
         self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
         lease: timedelta, every: float, route: str,
     ) -> None:  # fmt: skip
-        """Try again, in the background, a completion that the store failed.
-
-        The attempts follow :func:`.lifecycle.completion_retries` (a few, with backoff,
-        within one ``lease``); meanwhile the claim's lease is renewed every ``every``
-        seconds, so that no retry takes the claim over and runs the handler again.
-        Each failure is logged (WARNING), and giving up (ERROR); the claim then stays
-        in progress until its lease ends, as it did before this was tried.
-        """
-        renewal = self.renewals.start(key, token, lease, every, route)
+        """Try again, in the background, a completion that the store failed
+        (:func:`.lease.complete_later`: for the lease's life, under a renewed lease)."""
         task = asyncio.ensure_future(
-            self._complete_again(key, token, stored, expires_at, lease, route)
-        )
+            complete_later(
+                self.store, self.renewals, self.observer, key, token, stored, expires_at,
+                lease=lease, every=every, route=route,
+            )
+        )  # fmt: skip
         self._keep(task)
-        task.add_done_callback(functools.partial(self._completed_again, renewal, token, route, key))
-
-    async def _complete_again(
-        self, key: str, token: str, stored: StoredResponse, expires_at: datetime,
-        lease: timedelta, route: str,
-    ) -> None:  # fmt: skip
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + lease.total_seconds()
-        attempts = 1  # the one that failed
-        for delay in lifecycle.completion_retries(lease):
-            if loop.time() + delay >= deadline:
-                break  # an attempt past the lease could find the claim taken over
-            await asyncio.sleep(delay)
-            attempts += 1
-            try:
-                owned = await self.store.complete(key, token, stored, expires_at=expires_at)
-            except StoreError as exc:
-                self.observer.log(
-                    logging.WARNING, "idempotency.complete_retry_failed", route, key,
-                    attempt=attempts, error=type(exc).__name__,
-                )  # fmt: skip
-                continue
-            if owned or await self._landed(key, token):
-                self.observer.log(
-                    logging.WARNING, "idempotency.complete_recovered", route, key,
-                    attempt=attempts,
-                )  # fmt: skip
-            else:
-                self.observer.log(
-                    logging.ERROR, "idempotency.claim_lost", route, key, phase="complete"
-                )
-            return
-        self.observer.log(
-            logging.ERROR, "idempotency.complete_gave_up", route, key, attempts=attempts
+        task.add_done_callback(
+            functools.partial(self._log_failure, route, key, "complete", after="retrying")
         )
-
-    async def _landed(self, key: str, token: str) -> bool:
-        """Whether our claim is completed already: a failure whose write had landed (the
-        answer was lost) leaves nothing for a retry to complete, and is no lost claim."""
-        try:
-            record = await self.store.get(key)
-        except StoreError:
-            return False
-        return (
-            record is not None and record.token == token and record.status is RecordStatus.COMPLETED
-        )
-
-    def _completed_again(
-        self, renewal: Renewal, token: str, route: str, key: str, task: asyncio.Task[Any]
-    ) -> None:
-        renewal.stop(token)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error(route, key, "complete", exc, after="retrying")
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
@@ -221,9 +166,11 @@ class Runtime:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def _log_failure(self, route: str, key: str, phase: str, task: asyncio.Task[Any]) -> None:
+    def _log_failure(
+        self, route: str, key: str, phase: str, task: asyncio.Task[Any], after: str = "cancelled"
+    ) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error(route, key, phase, exc, after="cancelled")
+            self.observer.store_error(route, key, phase, exc, after=after)
 
 
 _MISMATCH_DETAIL = (
@@ -630,7 +577,7 @@ class Responder:
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
             # response now, and the completion is tried again in the background under
-            # a renewed lease (lifecycle.completion_retries; README: guarantees).
+            # a renewed lease, for the lease's life (lease.complete_later; README: guarantees).
             route, policy = self.req.route, self.req.policy
             self.rt.observer.store_error(route, key, "complete", exc)
             self.rt.complete_later(

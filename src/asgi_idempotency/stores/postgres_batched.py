@@ -69,10 +69,9 @@ import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..errors import StoreError
-from .base import BUSY, Busy, RecordStatus
+from .base import BUSY, Busy
 from .batching import Batcher, BatchStats
-from .postgres import PostgresDriver
-from .sqlerrors import PG_ERRORS
+from .postgres import PostgresDriver, claimed_row, own_claim
 from .statements import PG, PG_BATCHED, PG_LONE, Compiled
 
 __all__ = ["LOCK_WAIT", "BatchingPostgresDriver"]
@@ -258,23 +257,9 @@ class BatchingPostgresDriver:
         again: Callable[[asyncpg.Connection], Awaitable[T]] | None = None,
     ) -> T:
         """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
-        if that one broke.
-
-        A connection the server closed while it was idle is skipped at checkout, but
-        one can break under a statement (closed a moment before, or cut on the way):
-        then the statement's fate is unknown, and every statement here may run twice.
-        Completions, releases and renewals are fenced by their claim's token (a second
-        run changes nothing a first that landed had not; a completion's second run
-        also asks which rows its first completed, :func:`_completing`), and a claim
-        that meets its own row (its token) is answered as inserted (:func:`_own`).
-        """
-        try:
-            return await self.inner._run(op)
-        except StoreError as exc:
-            cause = exc.__cause__
-            if cause is None or not PG_ERRORS.breaks(cause):
-                raise
-        return await self.inner._run(op if again is None else again)
+        if that one broke (:meth:`~.postgres.PostgresDriver._send`). A completion batch's
+        second run also asks which rows its first completed (:func:`_completing`)."""
+        return await self.inner._send(op, again)
 
     async def _locked_out(
         self,
@@ -403,7 +388,7 @@ class BatchingPostgresDriver:
             key = values["key"]
             answer = by_key.get(key, _NOT_VISIBLE)
             if answer[0] and first[key] is not values:
-                answer = (False, _claimed_row(first[key]))
+                answer = (False, claimed_row(first[key]))
             answers.append(answer)
         return answers
 
@@ -517,27 +502,12 @@ def _count(status: str) -> int:
 
 
 def _own(values: dict[str, Any], row: Sequence[Any] | None) -> ClaimAnswer:
-    """The answer for a claim that met ``row``: inserted if it is this claim's own.
-
-    A claim sent twice (its connection broke under the first, which had committed:
-    :meth:`BatchingPostgresDriver._send`) meets the row it inserted. That row is this
-    claim's when it is exactly what this claim writes: its token, its fingerprint and
-    its times, in progress (a token alone would not do: the regenerated-key detector's
-    markers all share one). Anything else is a row in the way.
-    """
+    """The answer for a claim that met ``row``: inserted if it is this claim's own
+    (:func:`~.postgres.own_claim`)."""
     if row is None:
         return _NOT_VISIBLE
-    if row[2] == values["token"] and tuple(row[:6]) == _claimed_row(values)[:6]:
-        return _INSERTED
-    return (False, row)
-
-
-def _claimed_row(values: dict[str, Any]) -> tuple[Any, ...]:
-    """The row a claim inserted, as ``RECORD_COLUMNS``: in progress, no response."""
-    return (
-        values["request_hash"], RecordStatus.IN_PROGRESS.value, values["token"],
-        values["now"], values["locked_until"], values["expires_at"], None, None, None,
-    )  # fmt: skip
+    inserted, _ = own_claim(values, row)
+    return _INSERTED if inserted else (False, row)
 
 
 def _claim_key(values: dict[str, Any]) -> Any:
