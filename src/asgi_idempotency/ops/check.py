@@ -180,7 +180,7 @@ class Report:
         return {
             "url": self.url,
             "ok": self.ok,
-            "passed": len(self.passed),
+            "passed": self.passed,
             "failed": self.failed,
             "not_run": self.not_run,
             "requests_sent": self.requests_sent,
