@@ -12,7 +12,8 @@ request names in ``X-Flaws`` (comma-separated), each breaking one guarantee; see
 Both serve ``POST /refunds`` (0.2 s), ``POST /slow-refunds`` (1.5 s), an ``X-Fail``
 header that makes either answer 503 without an effect, ``GET /refunds/count`` (the
 effects so far, and ``uvicorn_process``'s readiness path) and ``GET /requests`` (every
-request received but these, counted at the outermost layer).
+request received but these, counted at the outermost layer). ``flawed`` also answers
+``POST /elsewhere?to=URL`` with a 307 to that URL.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.security import APIKeyHeader
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -187,10 +188,16 @@ async def _flawed_refund(request: Request) -> Response:
     return response
 
 
+async def _elsewhere(request: Request) -> Response:
+    """A redirect to the URL in ``?to=``: the checker must not follow it."""
+    return RedirectResponse(request.query_params["to"], status_code=307)
+
+
 def _flawed() -> Any:
     app = Starlette(
         routes=[
             *(Route(path, _flawed_refund, methods=["POST"]) for path in DELAYS),
+            Route("/elsewhere", _elsewhere, methods=["POST"]),
             Route("/refunds/count", _count),
             Route("/requests", _requests),
         ]

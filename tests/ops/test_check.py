@@ -24,8 +24,6 @@ from tests.serving import UvicornProcess, run_uvicorn
 
 from .check_apps import FLAWED, FLAWS, GUARDED
 
-pytestmark = pytest.mark.slow
-
 BODY = ("--json", '{"amount": 4500}', "--header", "X-API-Key: key-a")
 # Everything the optional checks need: a second caller, a slow endpoint, a fault switch.
 FULL = (
@@ -61,6 +59,7 @@ def outcomes(report: dict[str, Any]) -> dict[str, str]:
     return {c["name"]: c["outcome"] for c in report["checks"]}
 
 
+@pytest.mark.slow
 def test_our_guard_passes_every_check_through_the_command(guarded: UvicornProcess) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "asgi_idempotency.cli", "check", guarded.base_url + "/refunds",
@@ -73,6 +72,7 @@ def test_our_guard_passes_every_check_through_the_command(guarded: UvicornProces
         assert f"\n{name} " in done.stdout
 
 
+@pytest.mark.slow
 def test_the_flawed_app_without_a_flaw_passes_every_check(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess
 ) -> None:
@@ -85,6 +85,7 @@ def test_every_check_has_a_flaw_that_breaks_it() -> None:
     assert sorted(FLAWS.values()) == sorted(name for name, _ in CHECKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("flaw", "name"), FLAWS.items())
 def test_each_check_fails_on_the_app_built_to_violate_it(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess, flaw: str, name: str
@@ -96,6 +97,7 @@ def test_each_check_fails_on_the_app_built_to_violate_it(
     assert name in report["failed"], report
 
 
+@pytest.mark.slow
 def test_replay_marked_fails_on_unmarked_replays(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess
 ) -> None:
@@ -104,6 +106,7 @@ def test_replay_marked_fails_on_unmarked_replays(
     assert report["failed"] == ["replay-marked"], report
 
 
+@pytest.mark.slow
 def test_a_count_url_catches_a_claim_after_the_effect(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess
 ) -> None:
@@ -125,6 +128,7 @@ def test_a_count_url_catches_a_claim_after_the_effect(
     assert int(effects.group(1)) >= 2, storm
 
 
+@pytest.mark.slow
 def test_an_unguarded_app_fails_the_checks_that_need_a_guard(
     capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -138,6 +142,7 @@ def test_an_unguarded_app_fails_the_checks_that_need_a_guard(
     assert outcomes(report)["replay-marked"] == "not run"
 
 
+@pytest.mark.slow
 def test_a_guard_that_replays_across_callers_fails_the_cross_caller_check(
     capsys: pytest.CaptureFixture[str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -153,6 +158,7 @@ def _received(server: UvicornProcess) -> int:
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [1, 5, 13, 16, 24])
 def test_it_never_sends_more_than_max_requests(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess, limit: int
@@ -173,6 +179,20 @@ def test_it_never_sends_more_than_max_requests(
     assert all("--max-requests" in c["detail"] for c in skipped), skipped
 
 
+@pytest.mark.slow
+def test_it_follows_no_redirect_to_another_origin(
+    capsys: pytest.CaptureFixture[str], flawed: UvicornProcess, guarded: UvicornProcess
+) -> None:
+    before = _received(guarded)
+    elsewhere = f"{flawed.base_url}/elsewhere?to={guarded.base_url}/refunds"
+    code, report = check(capsys, elsewhere, *FULL)
+    assert code == Exit.NOT_FOUND
+    assert report["failed"] == ["first-request"]
+    assert "307" in report["checks"][0]["detail"]
+    assert _received(guarded) == before  # the redirect's target never heard from it
+
+
+@pytest.mark.slow
 def test_checks_without_their_input_are_not_run_and_say_why(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess
 ) -> None:
@@ -190,6 +210,7 @@ def test_checks_without_their_input_are_not_run_and_say_why(
     assert "--slow-url" in why["in-flight-409"]
 
 
+@pytest.mark.slow
 def test_the_table_names_each_failing_check(
     capsys: pytest.CaptureFixture[str], flawed: UvicornProcess
 ) -> None:
@@ -210,6 +231,8 @@ def test_the_table_names_each_failing_check(
         (["http://127.0.0.1:9/x", "--json", "{not json"], "--json"),
         (["http://127.0.0.1:9/x", "--json", "{}", "--data", "a=1"], "not allowed"),
         (["http://127.0.0.1:9/x", "--header", "no colon"], "--header"),
+        (["http://127.0.0.1:9/x", "--header", "Idempotency-Key: k"], "own keys"),
+        (["http://127.0.0.1:9/x", "--other-caller-header", "idempotency-key: k"], "own keys"),
         (["ftp://127.0.0.1/x"], "http"),
         ([], "URL"),
     ],

@@ -121,6 +121,11 @@ class CheckOptions:
                 raise ValueError(
                     f"{name} {other!r} is not on {origin}: the checks send only to the URL's origin"
                 )
+        for name, _ in (*self.headers, *self.other_caller_headers):
+            if name.lower() == HEADER.lower():
+                raise ValueError(
+                    f"the headers must not carry {HEADER}: each check chooses its own keys"
+                )
         if self.storm < 2:
             raise ValueError(f"storm must be 2 or more, got {self.storm}")
         if self.max_requests < 1:
@@ -214,8 +219,8 @@ class Report:
         return "\n".join(lines)
 
 
-class _BudgetSpent(Exception):
-    pass
+class _BudgetSpent(AssertionError):
+    """A check tried to send past its budget or off the URL's origin (a bug here)."""
 
 
 class _Sender:
@@ -224,6 +229,7 @@ class _Sender:
     def __init__(self, client: httpx.AsyncClient, options: CheckOptions) -> None:
         self.client = client
         self.options = options
+        self.origin = _origin(options.url)
         self.sent = 0
         self.reserved = 0
 
@@ -244,8 +250,12 @@ class _Sender:
         headers: Sequence[tuple[str, str]] | None = None,
         extra: Sequence[tuple[str, str]] = (),
     ) -> httpx.Response:
+        # Both are bugs here (a check sending more than it reserved, or elsewhere than
+        # the options allow): refused before anything is sent.
         if self.sent >= min(self.reserved, self.options.max_requests):
-            raise _BudgetSpent  # a check sending more than it reserved: a bug here
+            raise _BudgetSpent(f"request {self.sent + 1} exceeds what the check reserved")
+        if _origin(url) != self.origin:
+            raise _BudgetSpent(f"{url} is not on {self.origin}")
         self.sent += 1
         sent_headers = list(self.options.headers if headers is None else headers)
         if body is None:
