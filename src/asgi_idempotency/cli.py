@@ -1,10 +1,10 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
-Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
-(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
-the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
-``postgresql://``, ``sqlite://``, ``mariadb://`` and ``mysql://`` URLs get their async
-driver (asyncpg, aiosqlite, asyncmy),
+Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``, ``check URL``.
+The database (all but ``demo`` and ``check``) comes from ``--database-url`` or
+``IDEMPOTENCY_DATABASE_URL``, through the URL rule the store and alembic share
+(:mod:`asgi_idempotency.urls`): ``postgres://``, ``postgresql://``, ``sqlite://``,
+``mariadb://`` and ``mysql://`` URLs get their async driver (asyncpg, aiosqlite, asyncmy),
 other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
 also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
@@ -17,10 +17,12 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 ====  =========================================================================
 0     success
 1     inspect: no record for that key in the scope searched (host, principal);
-      demo: the guarded run did not make exactly one refund
+      demo: the guarded run did not make exactly one refund; check: a check
+      failed (each failing check is named)
 2     usage error: bad arguments, a key digest prefix that matches several
       records, missing or malformed database URL, the demo extra not installed;
-      migrate: the database is at a revision this version does not know
+      migrate: the database is at a revision this version does not know; check:
+      httpx not installed, a URL on another origin than the checked one
 3     database unreachable or failing (refused, timed out, bad credentials, no
       such database or SQLite file)
 4     the records table is missing: run `asgi-idempotency migrate`
@@ -74,12 +76,14 @@ EXIT_MEANINGS: dict[Exit, str] = {
     Exit.OK: "success",
     Exit.NOT_FOUND: (
         "inspect: no record for that key in the scope searched (host, principal); "
-        "demo: the guarded run did not make exactly one refund"
+        "demo: the guarded run did not make exactly one refund; "
+        "check: a check failed (each failing check is named)"
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
         "records, missing or malformed database URL, the demo extra not installed; "
-        "migrate: the database is at a revision this version does not know"
+        "migrate: the database is at a revision this version does not know; "
+        "check: httpx not installed, a URL on another origin than the checked one"
     ),
     Exit.UNREACHABLE: (
         "database unreachable or failing (refused, timed out, bad credentials, "
@@ -569,6 +573,95 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
     return Exit.OK if (default, transactional) == ((1, 2), (0, 1)) else Exit.NOT_FOUND
 
 
+def _header_arg(text: str) -> tuple[str, str]:
+    """``'Name: value'`` as curl takes it."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip() or name != name.strip() or " " in name:
+        raise argparse.ArgumentTypeError(f"must be 'Name: value', got {text!r}")
+    return name, value.strip()
+
+
+def _json_body(text: str) -> bytes:
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"is not JSON ({exc})") from None
+    return text.encode()
+
+
+def _storm(text: str) -> int:
+    value = _count(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be 2 or more, got {text!r}")
+    return value
+
+
+def _status(text: str) -> int:
+    value = _count(text)
+    if not 400 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"must be a 4xx or 5xx status, got {text!r}")
+    return value
+
+
+def cmd_check(args: argparse.Namespace, out: TextIO) -> Exit:
+    try:
+        import httpx
+
+        from .ops.check import CheckOptions, run_checks
+    except ImportError:
+        raise CLIError(
+            Exit.USAGE,
+            "check needs httpx, which is not installed: pip install 'asgi-idempotency[client]'",
+        ) from None
+    headers = tuple(args.header)
+    content_type = next((v for n, v in headers if n.lower() == "content-type"), None)
+    body: bytes = args.json if args.json is not None else (args.data or "").encode()
+    if args.json is not None and content_type is None:
+        content_type = "application/json"
+    other: bytes | None = None
+    if args.other_json is not None:
+        other = args.other_json
+    elif args.other_data is not None:
+        other = args.other_data.encode()
+
+    def resolve(url: str | None) -> str | None:
+        return None if url is None else str(httpx.URL(args.url).join(url))
+
+    try:
+        options = CheckOptions(
+            url=args.url,
+            method=args.method.upper(),
+            body=body,
+            content_type=content_type,
+            headers=headers,
+            other_caller_headers=tuple(args.other_caller_header),
+            other_body=other,
+            storm=args.storm,
+            max_requests=args.max_requests,
+            mismatch_status=args.mismatch_status,
+            key_required=not args.key_optional,
+            count_url=resolve(args.count_url),
+            slow_url=resolve(args.slow_url),
+            hold=args.hold,
+            fail_header=args.fail_header,
+            timeout=args.request_timeout,
+        )
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
+
+    async def run() -> Any:
+        # No environment proxies: the requests go to the URL's origin and nowhere else.
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await run_checks(client, options)
+
+    report = asyncio.run(run())
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=2), file=out)
+    else:
+        print(report.table(), file=out)
+    return Exit.OK if report.ok else Exit.NOT_FOUND
+
+
 def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
     """The command's database URL, with its async driver.
 
@@ -759,6 +852,100 @@ def build_parser() -> argparse.ArgumentParser:
         help="crash a worker between its write and its answer, in both modes (needs Postgres)",
     )
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "check",
+        help="check an HTTP API's Idempotency-Key handling (any API, any host)",
+        description=(
+            "Sends what real clients send to URL and reports each check as pass, fail or "
+            "not run (with why). Every check makes real effects on the API (a sandbox "
+            "refunds for real there). Sends at most --max-requests requests, all to URL's "
+            "origin, following no redirect. Exit code 0 when no check failed, 1 when one "
+            "did (each is named), 2 on a usage error. Needs httpx (the client extra)."
+        ),
+    )
+    p.add_argument("url", metavar="URL", help="the endpoint that takes an Idempotency-Key")
+    p.add_argument("--method", default="POST", help="the request's method (default POST)")
+    body = p.add_mutually_exclusive_group()
+    body.add_argument("--json", type=_json_body, metavar="BODY", help="a JSON body to send")
+    body.add_argument("--data", metavar="BODY", help="a body to send as is")
+    p.add_argument(
+        "--header",
+        type=_header_arg,
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header on every request, e.g. the caller's credentials (repeatable)",
+    )
+    p.add_argument(
+        "--other-caller-header",
+        type=_header_arg,
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a second caller's header, replacing --header of the same name (repeatable)",
+    )
+    other = p.add_mutually_exclusive_group()
+    other.add_argument(
+        "--other-json",
+        type=_json_body,
+        metavar="BODY",
+        help="another valid body for the key-reuse check (default: the first number + 1)",
+    )
+    other.add_argument("--other-data", metavar="BODY", help="the same, sent as is")
+    p.add_argument(
+        "--storm", type=_storm, default=10, help="concurrent duplicates in the storm (default 10)"
+    )
+    p.add_argument(
+        "--max-requests",
+        type=_count,
+        default=50,
+        help="never send more requests than this; checks that would are not run (default 50)",
+    )
+    p.add_argument(
+        "--count-url",
+        metavar="URL",
+        help="a URL (or path) on the same origin whose GET answers the number of effects "
+        '(a JSON integer or {"count": n}): the storm counts effects there',
+    )
+    p.add_argument(
+        "--slow-url",
+        metavar="URL",
+        help="an endpoint (or path) on the same origin that runs longer than --hold, "
+        "for the in-flight check (default: URL)",
+    )
+    p.add_argument(
+        "--hold",
+        type=_pause,
+        default=0.25,
+        help="seconds between the first request and its duplicate in the in-flight check "
+        "(default 0.25; the endpoint must run longer)",
+    )
+    p.add_argument(
+        "--mismatch-status",
+        type=_status,
+        default=422,
+        help="the status the API documents for a key reused with another body (default 422)",
+    )
+    p.add_argument(
+        "--key-optional",
+        action="store_true",
+        help="the route does not require a key: the missing-key check is not run",
+    )
+    p.add_argument(
+        "--fail-header",
+        type=_header_arg,
+        metavar="'NAME: VALUE'",
+        help="a header that makes the endpoint answer 5xx, for the 5xx-releases-key check",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_timeout,
+        default=30.0,
+        help="seconds to wait for each answer (default 30)",
+    )
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=cmd_check)
     return parser
 
 

@@ -473,3 +473,15 @@ def ledger_errors(entry: LedgerEntry, attempts: tuple[AttemptRecord, ...]) -> li
         return [LedgerConflict(entry), OutcomeUnknown(entry.key, attempts)]
     LedgerConflict(entry.key)  # type: ignore[arg-type]  # the entry as read
     return []
+
+
+async def conformance(app: Starlette) -> list[str]:
+    from asgi_idempotency.testing import CheckReport, Outcome, assert_conforms, check_app
+
+    report: CheckReport = await check_app(
+        app, "/refunds", json={"amount": 1}, headers={"X-API-Key": "a"}, storm=4
+    )
+    assert_type(report.result("replay").outcome, Outcome)
+    await assert_conforms(app, "/refunds", other_caller_headers=[("X-API-Key", "b")])
+    await check_app(app, "/refunds", storm="4")  # type: ignore[arg-type]  # a number
+    return report.failed
