@@ -15,26 +15,36 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
+from fastapi import Depends, FastAPI, Header
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware
+from asgi_idempotency import IdempotencyMiddleware, MemoryStore
 from asgi_idempotency.asgi import ASGIApp, Message
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Store
+from tests.lifespan import start
 
 pytestmark = pytest.mark.anyio
 
 ROUNDS = 40
 
 
-def _app(gate: asyncio.Event) -> Starlette:
+class Gate:
+    """Holds a request in its handler: ``entered`` once it is there, until ``opened``."""
+
+    def __init__(self) -> None:
+        self.entered, self.opened = asyncio.Event(), asyncio.Event()
+
+
+def _app(gate: Gate) -> Starlette:
     async def pay(request: Request) -> Response:
         body = await request.json()
         if body.get("wait"):
-            await gate.wait()
+            gate.entered.set()
+            await gate.opened.wait()
         return JSONResponse({"ok": True, "n": body.get("n")}, status_code=201)
 
     return Starlette(routes=[Route("/pay", pay, methods=["POST"])])
@@ -92,9 +102,7 @@ async def _garbage(run: Callable[[], Awaitable[None]]) -> Counter[str]:
     return found
 
 
-async def _per_outcome(
-    app: ASGIApp, outcome: str, gate: asyncio.Event, tag: str, *, guarded: bool
-) -> None:
+async def _per_outcome(app: ASGIApp, outcome: str, gate: Gate, tag: str, *, guarded: bool) -> None:
     """``ROUNDS`` requests that end in ``outcome`` when ``guarded`` (the same requests,
     answered by the handler, when not)."""
     conflict, busy = (422, 409) if guarded else (201, 201)
@@ -109,17 +117,13 @@ async def _per_outcome(
             assert await _call(app, key, b'{"n": 1}') == 201
             assert await _call(app, key, b'{"n": 2}') == conflict
         else:
-            gate.clear()
+            gate.entered.clear()
+            gate.opened.clear()
             first = asyncio.ensure_future(_call(app, key, b'{"wait": true}'))
-            await asyncio.sleep(0)  # the first starts and waits on the gate
+            await gate.entered.wait()  # claimed (when guarded) and in its handler
             if guarded:
-                for _ in range(1000):
-                    if await _call(app, key, b'{"wait": true}') == busy:
-                        break
-                    await asyncio.sleep(0.001)  # the first has not claimed yet
-                else:
-                    raise AssertionError("no 409 while the first request ran")
-            gate.set()
+                assert await _call(app, key, b'{"wait": true}') == busy
+            gate.opened.set()
             assert await first == 201
             del first
 
@@ -129,7 +133,7 @@ async def _per_outcome(
 async def test_a_guarded_request_leaves_no_more_cyclic_garbage_than_unguarded(
     store: Store, outcome: str
 ) -> None:
-    gate = asyncio.Event()
+    gate = Gate()
     unguarded = _app(gate)
     guarded = IdempotencyMiddleware(_app(gate), store=store, principal=ANONYMOUS)
     # Warm both: first-request work (route caches, connections, prepared statements,
@@ -143,4 +147,45 @@ async def test_a_guarded_request_leaves_no_more_cyclic_garbage_than_unguarded(
     extra = ours - base
     # A few objects may be collected once per run (a pool refilled, a timer handle);
     # none may be collected per request.
+    assert sum(extra.values()) < ROUNDS, f"{outcome}: cyclic garbage left: {extra.most_common(8)}"
+
+
+def _caller(x_user: str = Header("alice")) -> str:
+    return x_user
+
+
+def _fastapi_app(gate: Gate) -> FastAPI:
+    api = FastAPI()
+
+    @api.post("/pay", status_code=201)
+    async def pay(body: dict[str, object], who: str = Depends(_caller)) -> dict[str, object]:
+        if body.get("wait"):
+            gate.entered.set()
+            await gate.opened.wait()
+        return {"ok": True, "n": body.get("n"), "who": who}
+
+    return api
+
+
+@pytest.mark.parametrize("outcome", ["fresh", "replay", "mismatch", "in_progress"])
+@pytest.mark.usefixtures("collector_off")
+async def test_the_fastapi_dependency_claim_leaves_no_more_cyclic_garbage_than_unguarded(
+    outcome: str,
+) -> None:
+    gate = Gate()
+    unguarded = _fastapi_app(gate)
+    app = _fastapi_app(gate)
+    app.add_middleware(
+        IdempotencyMiddleware, store=MemoryStore(), principal=from_dependency(_caller)
+    )
+    answer, stop = await start(app)
+    assert answer["type"] == "lifespan.startup.complete", answer
+    try:
+        await _per_outcome(unguarded, outcome, gate, "warm", guarded=False)
+        await _per_outcome(app, outcome, gate, "warm", guarded=True)
+        base = await _garbage(lambda: _per_outcome(unguarded, outcome, gate, "u", guarded=False))
+        ours = await _garbage(lambda: _per_outcome(app, outcome, gate, "g", guarded=True))
+    finally:
+        await stop()
+    extra = ours - base
     assert sum(extra.values()) < ROUNDS, f"{outcome}: cyclic garbage left: {extra.most_common(8)}"
