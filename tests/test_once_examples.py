@@ -77,9 +77,7 @@ def test_the_section_has_its_blocks() -> None:
 
 
 @pytest.mark.parametrize("index", range(4))
-def test_every_code_block_of_the_readme_section_runs_as_printed(
-    index: int, tmp_path: Path
-) -> None:
+def test_every_code_block_of_the_readme_section_runs_as_printed(index: int, tmp_path: Path) -> None:
     lang, code = section_blocks()[index]
     if lang == "python":
         (tmp_path / "block.py").write_text(code, encoding="utf-8")
