@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
@@ -36,6 +37,23 @@ from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalS
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
+
+# In CI (.ci/run exports CI=true) every run draws the same examples, so a red build is
+# the code's doing and reproduces, never a new seed's; and no example database is
+# written, as a fresh clone would only throw it away. Recent Hypothesis loads a built-in
+# profile like this one when it sees CI; ours says so here, for every version that
+# pyproject.toml admits. Loaded on import, before the test modules build their own
+# settings objects on top of it.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,  # a shared CI machine's pauses are not the code's
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
