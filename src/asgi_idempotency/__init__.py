@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
     from .errors import (
+        AttemptsUnknown,
         BodyTooLarge,
         IdempotencyError,
         InProgress,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         KeyMismatch,
         KeyReused,
         MissingKey,
+        MissingMessageId,
         OnceError,
         PrincipalMisconfigured,
         PrincipalMissing,
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from .stores.sql import SQLStore
 
 __all__ = [
+    "AttemptsUnknown",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -81,6 +84,7 @@ __all__ = [
     "MemoryStore",
     "MetricsSnapshot",
     "MissingKey",
+    "MissingMessageId",
     "NewClaim",
     "Once",
     "OnceError",
@@ -135,6 +139,8 @@ _WHERE = {
     "InProgress": ".errors",
     "KeyReused": ".errors",
     "OnceError": ".errors",
+    "MissingMessageId": ".errors",
+    "AttemptsUnknown": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",

@@ -30,6 +30,7 @@ from starlette.types import Scope
 
 from asgi_idempotency import (
     BUSY,
+    AttemptsUnknown,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -48,6 +49,7 @@ from asgi_idempotency import (
     MemoryStore,
     MetricsSnapshot,
     MissingKey,
+    MissingMessageId,
     NewClaim,
     Once,
     OnceError,
@@ -323,6 +325,9 @@ async def function_guard(store: Store) -> int:
     except KeyReused as exc:
         reused: OnceError = exc
         raise reused from None
+    except (MissingMessageId, AttemptsUnknown) as exc:  # the broker presets' refusals
+        refused: OnceError = exc
+        raise refused from None
 
 
 # --- errors --------------------------------------------------------------------
