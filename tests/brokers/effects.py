@@ -5,6 +5,9 @@ Each test names its run (its queue or stream name); rows of other runs are never
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import asyncpg
 
 
@@ -54,3 +57,13 @@ async def who(url: str, run: str, kind: str) -> list[str]:
         return [row["consumer"] for row in rows]
     finally:
         await conn.close()
+
+
+async def until(url: str, run: str, kind: str, n: int, within: float = 60.0) -> dict[str, int]:
+    """The counts of ``run`` once ``kind`` has ``n`` rows, or after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        got = await counted(url, run)
+        if got.get(kind, 0) >= n or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.1)

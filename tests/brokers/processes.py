@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,3 +59,14 @@ class Consumer:
         assert self.proc.stdout is not None
         self.proc.stdout.close()
         self._log.close()
+
+
+@contextmanager
+def running() -> Iterator[list[Consumer]]:
+    """A list to start consumers into; every one of them killed on exit."""
+    started: list[Consumer] = []
+    try:
+        yield started
+    finally:
+        for consumer in started:
+            consumer.kill()

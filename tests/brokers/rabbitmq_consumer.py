@@ -2,18 +2,14 @@
 
 Configured by its environment: ``AMQP_URL``, ``QUEUE``, ``DATABASE_URL`` (Postgres: the
 guard's records and the effects), ``NAME``; ``GUARDED=0`` for the unguarded baseline;
-``BEHAVE`` one of ``effect`` (default), ``block`` (records ``started`` and hangs, to be
-killed), ``slow`` (records ``started``, runs on until the process gets SIGUSR1),
-``fail`` (raises); ``CRASH=before_ack`` SIGKILLs the process itself where it would
-acknowledge, after the outcome is recorded; ``LEASE`` seconds; ``MAX_ATTEMPTS``.
-Prints ``consuming`` once it consumes.
+``LEASE`` seconds; ``MAX_ATTEMPTS``; what the handler does: :mod:`tests.brokers.behaviour`.
+Prints ``consuming`` once it consumes, ``acked`` after each acknowledgement.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from datetime import timedelta
 from typing import Any
 
@@ -22,62 +18,43 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from asgi_idempotency import Once, SQLStore
 from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard
-from tests.brokers.effects import record
+from tests.brokers.behaviour import DB, NAME, behave, crash_before_ack, dead_letter, listen
 
 ENV = os.environ
-QUEUE, DB, NAME = ENV["QUEUE"], ENV["DATABASE_URL"], ENV["NAME"]
-BEHAVE = ENV.get("BEHAVE", "effect")
-CRASH = ENV.get("CRASH", "")
-GO = asyncio.Event()  # set by SIGUSR1: a slow handler's downstream call returns
-
-
-def crash() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+QUEUE = ENV["QUEUE"]
 
 
 class CrashingGuard(RabbitMQGuard):
     """Dies, by a real SIGKILL, after the outcome is recorded and before the ack."""
 
     async def _acknowledge(self, message: AbstractIncomingMessage) -> None:
-        if CRASH == "before_ack":
-            crash()
+        crash_before_ack()
         await super()._acknowledge(message)
         print("acked", flush=True)
 
 
 async def handle(message: AbstractIncomingMessage) -> str:
-    if BEHAVE == "block":
-        await record(DB, QUEUE, "started", NAME)
-        await asyncio.Event().wait()  # a slow downstream call: killed meanwhile
-    if BEHAVE == "slow":  # outlives the consumer timeout: runs on until GATE exists
-        await record(DB, QUEUE, "started", NAME)
-        await GO.wait()
-    if BEHAVE == "fail":
-        await record(DB, QUEUE, "attempt", NAME)
-        raise RuntimeError("the downstream refused")
-    await record(DB, QUEUE, "effect", NAME)
-    return NAME
+    return await behave(QUEUE)
 
 
-async def dead_letter(message: AbstractIncomingMessage, error: BaseException) -> None:
-    await record(DB, QUEUE, "exhausted", NAME)
+async def hand_off(message: AbstractIncomingMessage, error: BaseException) -> None:
+    await dead_letter(QUEUE)
 
 
 async def unguarded(message: AbstractIncomingMessage) -> None:
-    await handle(message)
-    if CRASH == "before_ack":
-        crash()
+    await behave(QUEUE)
+    crash_before_ack()
     await message.ack()
 
 
 async def main() -> None:
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, GO.set)
-    store = SQLStore(DB)
-    once = Once(store, lease=timedelta(seconds=float(ENV.get("LEASE", "3"))), retry_after=0.2)
+    listen()
+    lease = timedelta(seconds=float(ENV.get("LEASE", "3")))
+    once = Once(SQLStore(DB), lease=lease, retry_after=0.2)
     guard = CrashingGuard(
         once,
         namespace=f"test.{QUEUE}",
-        on_exhausted=dead_letter,
+        on_exhausted=hand_off,
         max_attempts=int(ENV.get("MAX_ATTEMPTS", "3")),
         requeue_delay=0.2,
     )

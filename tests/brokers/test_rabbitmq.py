@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,8 +21,8 @@ import pytest
 
 from asgi_idempotency import MemoryStore, Once
 from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard
-from tests.brokers.effects import counted, who
-from tests.brokers.processes import Consumer
+from tests.brokers.effects import counted, until, who
+from tests.brokers.processes import Consumer, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.slow]
 
@@ -61,16 +59,6 @@ async def ready_count(amqp_url: str, queue: str) -> int:
         return int(count or 0)
 
 
-@contextmanager
-def consumers(tmp_path: Path) -> Iterator[list[Consumer]]:
-    started: list[Consumer] = []
-    try:
-        yield started
-    finally:
-        for consumer in started:
-            consumer.kill()
-
-
 def consumer_env(amqp_url: str, queue: str, pg_url: str, name: str, **env: str) -> dict[str, str]:
     return {"AMQP_URL": amqp_url, "QUEUE": queue, "DATABASE_URL": pg_url, "NAME": name, **env}
 
@@ -89,15 +77,6 @@ def start(
     return consumer
 
 
-async def until(pg_url: str, run: str, kind: str, n: int, within: float = 60.0) -> dict[str, int]:
-    deadline = time.monotonic() + within
-    while True:
-        got = await counted(pg_url, run)
-        if got.get(kind, 0) >= n or time.monotonic() > deadline:
-            return got
-        await asyncio.sleep(0.1)
-
-
 async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_guarded(
     amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
 ) -> None:
@@ -106,7 +85,7 @@ async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_
     for guarded in ("0", "1"):
         run = f"{queue_name}-{guarded}"
         async with _queue(amqp_url, run):
-            with consumers(tmp_path) as started:
+            with running() as started:
                 first = start(
                     started, tmp_path, amqp_url, run, pg_url, "first",
                     GUARDED=guarded, CRASH="before_ack",
@@ -128,7 +107,7 @@ async def test_killed_mid_handler_the_redelivery_takes_over_after_the_lease(
     amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
 ) -> None:
     """Killed while its handler runs: the redelivery waits out the dead claim, then runs."""
-    with consumers(tmp_path) as started:
+    with running() as started:
         first = start(started, tmp_path, amqp_url, queue_name, pg_url, "first", BEHAVE="block")
         await publish(amqp_url, queue_name, "msg-1", b"{}")
         assert (await until(pg_url, queue_name, "started", 1)).get("started") == 1
@@ -161,7 +140,7 @@ async def test_a_consumer_slower_than_the_consumer_timeout_is_not_run_twice(
     """The broker takes the message from a slow consumer and redelivers it while the
     first still runs: the redelivery waits for (or requeues behind) the first's claim,
     renewed meanwhile, and replays its result once it is recorded."""
-    with consumers(tmp_path) as started:
+    with running() as started:
         first = start(
             started, tmp_path, amqp_url, queue_name, pg_url, "first",
             BEHAVE="slow", LEASE="1",
@@ -183,7 +162,7 @@ async def test_an_exhausted_message_reaches_the_hand_off_once(
 ) -> None:
     """Three failing attempts, then the hand-off; the consumer dies before acking it, and
     the next delivery replays the hand-off instead of calling it again."""
-    with consumers(tmp_path) as started:
+    with running() as started:
         first = start(
             started, tmp_path, amqp_url, queue_name, pg_url, "first",
             BEHAVE="fail", CRASH="before_ack", MAX_ATTEMPTS="3",
@@ -202,7 +181,7 @@ async def test_an_exhausted_message_reaches_the_hand_off_once(
 async def test_a_message_without_an_id_is_refused_not_run(
     amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
 ) -> None:
-    with consumers(tmp_path) as started:
+    with running() as started:
         consumer = start(started, tmp_path, amqp_url, queue_name, pg_url, "only")
         # aio-pika (aiormq) gives every message it publishes a random id: kombu does not.
         with kombu.connection.Connection(amqp_url) as connection:  # type: ignore[no-untyped-call]  # unannotated
