@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Consumer:
-    """``python -m <module>`` with ``env`` added; its stdout read by a thread of its own."""
+    """``python -m <module> <args>`` with ``env`` added; its stdout read by a thread of its own."""
 
-    def __init__(self, module: str, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, module: str, env: dict[str, str], log: Path, args: tuple[str, ...] = ()
+    ) -> None:
         full = {**os.environ, **env}
         full["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         self._log = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module],
+            [sys.executable, "-m", module, *args],
             cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()

@@ -184,7 +184,7 @@ async def test_a_message_without_an_id_is_refused_not_run(
     with running() as started:
         consumer = start(started, tmp_path, amqp_url, queue_name, pg_url, "only")
         # aio-pika (aiormq) gives every message it publishes a random id: kombu does not.
-        with kombu.connection.Connection(amqp_url) as connection:  # type: ignore[no-untyped-call]  # unannotated
+        with kombu.connection.Connection(amqp_url) as connection:
             connection.Producer().publish(b"{}", routing_key=queue_name)
         await publish(amqp_url, queue_name, "msg-3", b"{}")
         consumer.wait_for("acked")  # the second; the first was rejected, not requeued
