@@ -20,14 +20,19 @@ class Consumer:
     """``python -m <module> <args>`` with ``env`` added; its stdout read by a thread of its own."""
 
     def __init__(
-        self, module: str, env: dict[str, str], log: Path, args: tuple[str, ...] = ()
+        self,
+        module: str,
+        env: dict[str, str],
+        log: Path,
+        args: tuple[str, ...] = (),
+        cwd: Path = ROOT,
     ) -> None:
         full = {**os.environ, **env}
         full["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
         self._log = log.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=self._log, text=True,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
