@@ -77,14 +77,16 @@ def start(
     return consumer
 
 
+@pytest.mark.parametrize("kind", ["quorum", "classic"])
 async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_guarded(
-    amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
+    amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path, kind: str
 ) -> None:
-    """The consumer dies between its effect and its ack; RabbitMQ redelivers."""
+    """The consumer dies between its effect and its ack; RabbitMQ redelivers (a classic
+    queue, which counts no deliveries, replays the redelivery as a quorum queue does)."""
     effects: dict[str, int] = {}
     for guarded in ("0", "1"):
         run = f"{queue_name}-{guarded}"
-        async with _queue(amqp_url, run):
+        async with _queue(amqp_url, run, kind):
             with running() as started:
                 first = start(
                     started, tmp_path, amqp_url, run, pg_url, "first",
@@ -98,7 +100,9 @@ async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_
                 else:
                     await until(pg_url, run, "effect", 2)
                     await asyncio.sleep(0.5)  # its ack on the wire before the kill
-            effects[guarded] = (await counted(pg_url, run)).get("effect", 0)
+            got = await counted(pg_url, run)
+            effects[guarded] = got.get("effect", 0)
+            assert "exhausted" not in got  # a replay, not a hand-off
             assert await ready_count(amqp_url, run) == 0  # acknowledged in the end
     assert effects == {"0": 2, "1": 1}
 
@@ -208,17 +212,17 @@ def test_a_lease_not_shorter_than_the_consumer_timeout_is_refused() -> None:
 
 
 class _queue:
-    """A quorum queue named ``name``, deleted on exit."""
+    """A queue named ``name`` of ``kind`` (quorum or classic), deleted on exit."""
 
-    def __init__(self, amqp_url: str, name: str) -> None:
-        self.amqp_url, self.name = amqp_url, name
+    def __init__(self, amqp_url: str, name: str, kind: str = "quorum") -> None:
+        self.amqp_url, self.name, self.kind = amqp_url, name, kind
 
     async def __aenter__(self) -> str:
         connection = await aio_pika.connect(self.amqp_url)
         async with connection:
             channel = await connection.channel()
-            quorum = {"x-queue-type": "quorum"}
-            await channel.declare_queue(self.name, durable=True, arguments=dict(quorum))
+            kind = {"x-queue-type": self.kind}
+            await channel.declare_queue(self.name, durable=True, arguments=dict(kind))
         return self.name
 
     async def __aexit__(self, *exc: object) -> None:

@@ -12,7 +12,8 @@ aio-pika consume callback (``await queue.consume(guard(handle))``) that:
   and acknowledges once the call returns (its result, or a redelivery's replay);
 - counts attempts from ``x-delivery-count`` (quorum queues); a handler that raises is
   requeued until ``max_attempts``, then handed to ``on_exhausted`` (once: the hand-off
-  runs through the same guard) and acknowledged;
+  runs through the same guard) and acknowledged. A classic queue counts nothing: there
+  a redelivery runs (or replays) as any, and hands off if it raises;
 - refuses at construction a lease not shorter than the broker's ``consumer_timeout``.
 
 Needs the ``rabbitmq`` extra (aio-pika).
@@ -66,8 +67,8 @@ class RabbitMQGuard:
         namespace: scopes the message ids (the queue's purpose, say ``"refunds"``); the
             hand-off's records are kept under ``namespace + ".exhausted"``.
         on_exhausted: ``async (message, error)``, called once per message whose handler
-            raised on its ``max_attempts``-th delivery (or that cannot be counted, with
-            :class:`AttemptsUnknown`): your dead-letter. The message is acknowledged
+            raised on its ``max_attempts``-th delivery (or on a redelivery that cannot be
+            counted, with :class:`AttemptsUnknown`): your dead-letter. The message is acknowledged
             after it returns; if it raises, the message is requeued and the hand-off
             tried again on the next delivery.
         max_attempts: deliveries a failing handler gets before the hand-off (default 5).
@@ -136,16 +137,9 @@ class RabbitMQGuard:
                 )
             body = body_digest(message.body)
             attempt = delivery_attempt(message)
-            if attempt is None:
-                error: BaseException = AttemptsUnknown(
-                    f"a redelivered message on {self.namespace!r} has no x-delivery-count "
-                    "(a classic queue): use a quorum queue to bound its attempts"
-                )
-                await self._hand_off(exhausted, key, body, message, error)
-                return
-            if attempt > self.max_attempts:
+            if attempt is not None and attempt > self.max_attempts:
                 # Exhausted before, its hand-off's acknowledgement lost: replay the hand-off.
-                error = AttemptsUnknown(f"delivery {attempt} of {self.max_attempts}")
+                error: BaseException = AttemptsUnknown(f"delivery {attempt} of {self.max_attempts}")
                 await self._hand_off(exhausted, key, body, message, error)
                 return
             try:
@@ -163,10 +157,19 @@ class RabbitMQGuard:
                 await message.nack(requeue=True)
                 return
             except Exception as exc:
-                if attempt < self.max_attempts:
+                if attempt is not None and attempt < self.max_attempts:
                     await asyncio.sleep(self.requeue_delay)
                     await message.nack(requeue=True)
                     return
+                if attempt is None:
+                    # A classic queue's redelivery failed: how often it was delivered is
+                    # unknown, so it is handed off rather than retried without a bound.
+                    error = AttemptsUnknown(
+                        f"a redelivered message on {self.namespace!r} failed and its queue "
+                        "does not count deliveries (a classic queue): use a quorum queue"
+                    )
+                    error.__cause__ = exc
+                    exc = error
                 await self._hand_off(exhausted, key, body, message, exc)
                 return
             await self._acknowledge(message)
