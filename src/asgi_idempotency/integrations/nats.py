@@ -159,7 +159,8 @@ class JetStreamGuard:
                 try:
                     await self._held(run, key, data, msg)
                 except KeyReused:
-                    logger.error("idempotency.message_id_reused", extra={"digest": data[:16]})
+                    fields = {**self._fields, "digest": data[:16]}
+                    logger.error("idempotency.message_id_reused", extra=fields)
                     await msg.term()
                     return
                 except (InProgress, StoreError):
