@@ -196,6 +196,20 @@ async def test_a_message_without_an_id_is_refused_not_run(
     assert await ready_count(amqp_url, queue_name) == 0
 
 
+async def test_an_id_reused_with_another_body_is_rejected_not_run(
+    amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
+) -> None:
+    with running() as started:
+        consumer = start(started, tmp_path, amqp_url, queue_name, pg_url, "only")
+        await publish(amqp_url, queue_name, "msg-5", b'{"order": "A-1"}')
+        consumer.wait_for("acked")
+        await publish(amqp_url, queue_name, "msg-5", b'{"order": "A-2"}')  # a producer bug
+        await publish(amqp_url, queue_name, "msg-6", b"{}")
+        consumer.wait_for("acked")  # msg-6; the reused id was rejected, not requeued
+    assert await counted(pg_url, queue_name) == {"effect": 2}
+    assert await ready_count(amqp_url, queue_name) == 0
+
+
 def test_a_lease_not_shorter_than_the_consumer_timeout_is_refused() -> None:
     async def dead_letter(message: object, error: BaseException) -> None: ...
 

@@ -207,7 +207,19 @@ class RabbitMQGuard:
         task = asyncio.ensure_future(call)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._outlived)
+            raise
+
+    def _outlived(self, task: asyncio.Future[Any]) -> None:
+        # Nobody awaits a call whose delivery was cancelled: its failure would go unseen.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning(
+                "idempotency.ack_lost",
+                extra={"namespace": self.namespace, "error": type(exc).__name__},
+            )
 
     async def _hand_off(
         self,
