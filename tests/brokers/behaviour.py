@@ -1,7 +1,8 @@
 """What a test consumer's handler does, chosen by its environment (shared by the brokers).
 
-``BEHAVE``: ``effect`` (default: records one effect), ``block`` (records ``started`` and
-hangs, to be killed), ``slow`` (records ``started``, runs on until the process gets
+``BEHAVE``: ``effect`` (default: records one effect), ``block`` (records ``started``, by
+its process id, and hangs, to be killed), ``block_first`` (as ``block`` on the run's
+first call, as ``effect`` after), ``slow`` (records ``started``, runs on until the process gets
 SIGUSR1, then records its effect), ``fail`` (records an ``attempt`` and raises).
 ``CRASH=before_ack``: the consumer SIGKILLs itself where it would acknowledge.
 """
@@ -12,7 +13,7 @@ import asyncio
 import os
 import signal
 
-from tests.brokers.effects import record
+from tests.brokers.effects import counted, record
 
 ENV = os.environ
 DB, NAME = ENV["DATABASE_URL"], ENV["NAME"]
@@ -33,8 +34,8 @@ def crash_before_ack() -> None:
 
 
 async def behave(run: str) -> str:
-    if BEHAVE == "block":
-        await record(DB, run, "started", NAME)
+    if BEHAVE == "block" or (BEHAVE == "block_first" and "started" not in await counted(DB, run)):
+        await record(DB, run, "started", str(os.getpid()))  # the process to kill
         await asyncio.Event().wait()  # a slow downstream call: killed meanwhile
     if BEHAVE == "slow":
         await record(DB, run, "started", NAME)

@@ -9,6 +9,8 @@ Postgres.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -20,7 +22,7 @@ from celery import Celery
 
 from asgi_idempotency import MemoryStore, Once
 from asgi_idempotency.integrations.celery import CeleryGuard, ack_timeout
-from tests.brokers.effects import counted, until
+from tests.brokers.effects import counted, until, who
 from tests.brokers.processes import Consumer, running
 
 pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.slow]
@@ -51,14 +53,15 @@ def send(amqp_url: str, queue: str, task: str, task_id: str) -> None:
 
 def start(
     started: list[Consumer], tmp_path: Path, amqp_url: str, queue: str, pg_url: str,
-    name: str, **env: str,
+    name: str, pool: str = "solo", **env: str,
 ) -> Consumer:  # fmt: skip
     worker = Consumer(
         "celery",
         {"AMQP_URL": amqp_url, "QUEUE": queue, "DATABASE_URL": pg_url, "NAME": name, **env},
         tmp_path / f"{queue}-{name}.log",
         args=(
-            "-A", "tests.brokers.celery_app", "worker", "--pool=solo", "-Q", queue,
+            "-A", "tests.brokers.celery_app", "worker", f"--pool={pool}", "--concurrency=1",
+            "-Q", queue,
             "-n", f"{name}@{queue}", "--without-mingle", "--without-gossip",
             "--without-heartbeat", "-l", "warning",
         ),
@@ -106,6 +109,26 @@ async def test_a_worker_killed_mid_task_the_redelivery_runs_it_once(
         assert (await until(pg_url, queue, "started", 1)).get("started") == 1
         first.kill()
         start(started, tmp_path, amqp_url, queue, pg_url, "second")
+        assert (await until(pg_url, queue, "done", 1, within=90)).get("done") == 1
+        await asyncio.sleep(1)
+    assert await counted(pg_url, queue) == {"started": 1, "effect": 1, "done": 1}
+    assert await ready_count(amqp_url, queue) == 0
+
+
+async def test_a_pool_process_killed_mid_task_the_redelivery_runs_it_once(
+    amqp_url: str, pg_url: str, queue: str, tmp_path: Path
+) -> None:
+    """A prefork worker whose pool process dies mid-task (reject_on_worker_lost): the
+    message is requeued, a new pool process waits out the dead claim, then runs it."""
+    with running() as started:
+        start(
+            started, tmp_path, amqp_url, queue, pg_url, "prefork",
+            pool="prefork", BEHAVE="block_first",
+        )  # fmt: skip
+        await asyncio.to_thread(send, amqp_url, queue, "tests.refund", str(uuid.uuid4()))
+        assert (await until(pg_url, queue, "started", 1)).get("started") == 1
+        [child] = await who(pg_url, queue, "started")
+        os.kill(int(child), signal.SIGKILL)  # the pool process, not the worker
         assert (await until(pg_url, queue, "done", 1, within=90)).get("done") == 1
         await asyncio.sleep(1)
     assert await counted(pg_url, queue) == {"started": 1, "effect": 1, "done": 1}
