@@ -1,0 +1,1 @@
+"""Adapters from other protocols and frameworks onto the guard (MCP tools, ...)."""
