@@ -20,8 +20,11 @@ from typing import Any, cast
 
 import pytest
 from mcp import Client, MCPError
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import CallToolResult, RequestParamsMeta
+from pydantic import AnyHttpUrl
 
 from asgi_idempotency import MemoryStore, Once, Outcome
 from asgi_idempotency._serve import serve_in_thread
@@ -29,7 +32,7 @@ from asgi_idempotency.client import derive_key
 from asgi_idempotency.client import mcp as client_mcp
 from asgi_idempotency.client.mcp import call_tool, refusal, tool_call_meta
 from asgi_idempotency.integrations import mcp as server_mcp
-from asgi_idempotency.integrations.mcp import META_KEY, ToolGuard
+from asgi_idempotency.integrations.mcp import META_KEY, ToolGuard, from_access_token
 from asgi_idempotency.principals import ANONYMOUS, PrincipalFunc, from_headers
 from tests._blocking import run_without
 
@@ -53,11 +56,13 @@ class Served:
 
 
 @contextmanager
-def served(principal: PrincipalFunc = ANONYMOUS, lease: float = 5.0) -> Iterator[Served]:
+def served(
+    principal: PrincipalFunc = ANONYMOUS, lease: float = 5.0, **server_options: Any
+) -> Iterator[Served]:
     """An MCPServer with guarded tools under uvicorn, in a thread of this process."""
     once = Once(MemoryStore(), lease=timedelta(seconds=lease), retry_after=0.2)
     guard = ToolGuard(once, principal=principal)
-    server = MCPServer("billing")
+    server = MCPServer("billing", **server_options)
     state = Served("", once)
 
     def effect(tool: str, what: Any) -> int:
@@ -234,6 +239,41 @@ async def test_the_caller_scopes_the_key() -> None:
         assert server.count("refund") == 2
 
 
+class _Tokens:
+    """A token verifier: each token names its client and subject (a refreshed token is
+    new bytes for the same subject)."""
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        subject = {"alice-1": "alice", "alice-2": "alice", "bob-1": "bob"}.get(token)
+        if subject is None:
+            return None
+        return AccessToken(token=token, client_id="agent", scopes=[], subject=subject)
+
+
+async def test_mcp_bearer_auth_names_the_caller_and_a_refreshed_token_is_the_same_caller() -> None:
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    auth = AuthSettings(
+        issuer_url=AnyHttpUrl("https://auth.example"),
+        resource_server_url=None,
+        validate_token_resource=False,
+    )
+    with served(from_access_token, token_verifier=_Tokens(), auth=auth) as server:
+        args = {"order": "o-6", "amount": 4}
+        answers = []
+        for token in ("alice-1", "alice-2", "bob-1"):
+            headers = {"authorization": f"Bearer {token}"}
+            async with httpx2.AsyncClient(headers=headers) as http:
+                transport = streamable_http_client(server.url, http_client=http)
+                async with Client(transport) as client:
+                    answers.append(await call_tool(client, "refund", args, run_id="r", step=0))
+        assert [a.structured_content for a in answers] == [
+            {**args, "refund": 1}, {**args, "refund": 1}, {**args, "refund": 2},
+        ]  # fmt: skip
+        assert server.count("refund") == 2
+
+
 def test_both_halves_spell_the_meta_names_alike() -> None:
     assert client_mcp.META_KEY == server_mcp.META_KEY
     assert client_mcp.ERROR_META == server_mcp.ERROR_META
@@ -249,3 +289,20 @@ def test_the_client_half_imports_no_server_code() -> None:
         "assert not leaked, leaked\n",
     )
     assert done.returncode == 0, done.stderr
+
+
+async def test_without_an_http_request_only_anonymous_names_the_caller() -> None:
+    # In memory (as over stdio) there are no headers to ask: the guard does not guess.
+    for principal, reason in ((from_headers("X-Caller"), "unidentified"), (ANONYMOUS, None)):
+        server = MCPServer("billing")
+        guard = ToolGuard(Once(MemoryStore()), principal=principal)
+
+        @server.tool()
+        @guard
+        async def refund(order: str) -> str:
+            return order
+
+        async with Client(server) as client:
+            result = await call_tool(client, "refund", {"order": "o-8"}, run_id="r", step=0)
+        seen = refusal(result)
+        assert (seen and seen.reason) == reason
