@@ -306,3 +306,12 @@ async def test_without_an_http_request_only_anonymous_names_the_caller() -> None
             result = await call_tool(client, "refund", {"order": "o-8"}, run_id="r", step=0)
         seen = refusal(result)
         assert (seen and seen.reason) == reason
+
+
+@pytest.mark.parametrize(
+    "module", ["asgi_idempotency.integrations.mcp", "asgi_idempotency.client.mcp"]
+)
+def test_without_the_extra_the_import_names_it(module: str) -> None:
+    done = run_without("mcp,mcp_types", f"import {module}\n")
+    assert done.returncode != 0
+    assert "pip install 'asgi-idempotency[mcp]'" in done.stderr
