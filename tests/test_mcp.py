@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -35,6 +37,7 @@ from asgi_idempotency.integrations import mcp as server_mcp
 from asgi_idempotency.integrations.mcp import META_KEY, ToolGuard, from_access_token
 from asgi_idempotency.principals import ANONYMOUS, PrincipalFunc, from_headers
 from tests._blocking import run_without
+from tests.serving import run_uvicorn
 
 pytestmark = pytest.mark.anyio
 
@@ -272,6 +275,41 @@ async def test_mcp_bearer_auth_names_the_caller_and_a_refreshed_token_is_the_sam
             {**args, "refund": 1}, {**args, "refund": 1}, {**args, "refund": 2},
         ]  # fmt: skip
         assert server.count("refund") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_a_retry_that_reaches_another_server_process_gets_the_first_ones_result(
+    pg_url: str, tmp_path: Path
+) -> None:
+    effects = tmp_path / "effects.log"
+    effects.touch()
+    env = {"IDEMPOTENCY_DATABASE_URL": pg_url, "MCP_EFFECTS": str(effects)}
+    args, run_id = {"order": "o-9", "amount": 9}, uuid.uuid4().hex
+    with (
+        run_uvicorn("tests.mcp_app:app", env=env, log_dir=tmp_path) as a,
+        run_uvicorn("tests.mcp_app:app", env=env, log_dir=tmp_path) as b,
+    ):
+        async with Client(a.base_url + "/mcp") as client:
+            with pytest.raises(MCPError, match="timed out"):
+                await call_tool(
+                    client, "charge", args, run_id=run_id, step=0,
+                    read_timeout_seconds=READ_TIMEOUT,
+                )  # fmt: skip
+        # The framework's retry reaches the other process (a load balancer's choice).
+        async with Client(b.base_url + "/mcp") as client:
+            answer = await call_tool(client, "charge", args, run_id=run_id, step=0)
+            seen = refusal(answer)
+            assert seen is not None, _text(answer)
+            assert seen.reason == "in_progress"
+            deadline = time.monotonic() + 30
+            while (seen := refusal(answer)) is not None:
+                assert seen.reason == "in_progress"
+                assert time.monotonic() < deadline, "the first call never completed"
+                await asyncio.sleep(seen.retry_after or 0.2)
+                answer = await call_tool(client, "charge", args, run_id=run_id, step=0)
+        assert answer.structured_content == {**args, "pid": a.process.pid}
+    assert effects.read_text().splitlines() == [f"o-9 {a.process.pid}"]
 
 
 def test_both_halves_spell_the_meta_names_alike() -> None:
