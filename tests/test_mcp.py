@@ -353,3 +353,27 @@ def test_without_the_extra_the_import_names_it(module: str) -> None:
     done = run_without("mcp,mcp_types", f"import {module}\n")
     assert done.returncode != 0
     assert "pip install 'asgi-idempotency[mcp]'" in done.stderr
+
+
+async def test_a_guarded_tool_call_is_traced_and_counted_as_any_once_call() -> None:
+    from tests.otel_memory import attributes, in_memory_exporter
+
+    exporter = in_memory_exporter()
+    server = MCPServer("billing")
+    once = Once(MemoryStore())
+
+    @server.tool()
+    @ToolGuard(once, principal=ANONYMOUS)
+    async def refund(order: str) -> str:
+        return order
+
+    async with Client(server) as client:
+        for _ in range(2):
+            await call_tool(client, "refund", {"order": "o-10"}, run_id="r", step=0)
+    spans = [s for s in exporter.get_finished_spans() if s.name == "once mcp.refund"]
+    assert [attributes(s)["idempotency.outcome"] for s in spans] == ["executed", "replayed"]
+    assert attributes(spans[0])["code.function.name"].endswith("refund")
+    assert once.snapshot().counts == {
+        ("mcp.refund", Outcome.EXECUTED): 1,
+        ("mcp.refund", Outcome.REPLAYED): 1,
+    }

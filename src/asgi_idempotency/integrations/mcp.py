@@ -91,12 +91,22 @@ def from_access_token(scope: Any) -> str | None:
     return orjson.dumps(list(principal_components(user.access_token))).decode()
 
 
-def _key_of(key: str, tool: str, arguments: Any, *, run: Any) -> str:
+def _key_of(key: str, arguments: Any, *, run: Any) -> str:
     return key
 
 
-async def _tool_call(key: str, tool: str, arguments: Any, *, run: Any) -> Any:
-    """What ``Once`` guards: the tool's run, fingerprinted by its name and arguments."""
+def _guarded_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What ``Once`` guards for ``fn``: its run, fingerprinted by its validated arguments
+    (as JSON) and named as ``fn`` is, so that traces name the tool's function."""
+
+    async def call(key: str, arguments: Any, *, run: Any) -> Any:
+        return await _run(run)
+
+    call.__qualname__, call.__module__ = fn.__qualname__, fn.__module__
+    return call
+
+
+async def _run(run: Callable[[], Any]) -> Any:
     result = await run()
     if type(result).__module__.partition(".")[0] in ("mcp", "mcp_types"):
         # A result or content block would come back from the store as a plain dict and
@@ -145,7 +155,8 @@ class ToolGuard:
         given = find_context_parameter(fn)
         signature = inspect.signature(fn, eval_str=True)
         namespace = f"{self.prefix}.{fn.__name__}"
-        guarded = self.once(key=_key_of, namespace=namespace, exclude=("key", "run"))(_tool_call)
+        once = self.once(key=_key_of, namespace=namespace, exclude=("key", "run"))
+        guarded = once(_guarded_call(fn))
         is_async = inspect.iscoroutinefunction(fn)
 
         @functools.wraps(fn)
@@ -160,7 +171,7 @@ class ToolGuard:
             else:
                 run = functools.partial(asyncio.to_thread, fn, **kwargs)
             jsonable = pydantic_core.to_jsonable_python(arguments)
-            task = asyncio.ensure_future(guarded(scoped, namespace, jsonable, run=run))
+            task = asyncio.ensure_future(guarded(scoped, jsonable, run=run))
             self._running.add(task)
             task.add_done_callback(self._settled)
             try:
