@@ -33,9 +33,11 @@ from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import derive_key
 from asgi_idempotency.client import mcp as client_mcp
 from asgi_idempotency.client.mcp import call_tool, refusal, tool_call_meta
+from asgi_idempotency.errors import StoreError
 from asgi_idempotency.integrations import mcp as server_mcp
 from asgi_idempotency.integrations.mcp import META_KEY, ToolGuard, from_access_token
 from asgi_idempotency.principals import ANONYMOUS, PrincipalFunc, from_headers
+from asgi_idempotency.stores.base import NewClaim, Record
 from tests._blocking import run_without
 from tests.serving import run_uvicorn
 
@@ -377,3 +379,35 @@ async def test_a_guarded_tool_call_is_traced_and_counted_as_any_once_call() -> N
         ("mcp.refund", Outcome.EXECUTED): 1,
         ("mcp.refund", Outcome.REPLAYED): 1,
     }
+
+
+async def test_a_failed_tool_is_released_and_a_store_down_is_refused_unrun() -> None:
+    class Flaky(MemoryStore):
+        down = False
+
+        async def insert(self, new: NewClaim) -> Record | None:
+            if self.down:
+                raise StoreError("the database did not answer")
+            return await super().insert(new)
+
+    store, runs = Flaky(), []
+    server = MCPServer("billing")
+
+    @server.tool()
+    @ToolGuard(Once(store, retry_after=0.5), principal=ANONYMOUS)
+    async def refund(order: str) -> str:
+        runs.append(order)
+        if len(runs) == 1:
+            raise RuntimeError("the provider failed")
+        return order
+
+    async with Client(server) as client:
+        failed = await call_tool(client, "refund", {"order": "o-11"}, run_id="r", step=0)
+        assert failed.is_error
+        assert refusal(failed) is None  # the tool's own error, not the guard's
+        retried = await call_tool(client, "refund", {"order": "o-11"}, run_id="r", step=0)
+        assert not retried.is_error  # released: the retry ran it again
+        store.down = True
+        down = await call_tool(client, "refund", {"order": "o-12"}, run_id="r", step=1)
+        assert refusal(down) == client_mcp.Refusal("store_unavailable", 0.5)
+    assert runs == ["o-11", "o-11"]
