@@ -70,6 +70,19 @@ NO_MARIADB = (
     "deselect them with -m 'not mariadb'."
 )
 
+NO_RABBITMQ = (
+    "RabbitMQ is required for the tests marked rabbitmq and none could be reached on "
+    "{where}. Start it with `rabbitmq-server -detached` (as .ci/run does), or set "
+    "IDEMPOTENCY_TEST_AMQP_URL=amqp://user:password@host:port/; "
+    "deselect them with -m 'not rabbitmq'."
+)
+
+NO_NATS = (
+    "NATS with JetStream is required for the tests marked nats and none could be reached "
+    "on {where}. Start it with `nats-server -js -a 127.0.0.1 -p 4222 &` (as .ci/run does), "
+    "or set IDEMPOTENCY_TEST_NATS_URL=nats://host:port; deselect them with -m 'not nats'."
+)
+
 
 def _pg_ctl() -> str | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
@@ -308,6 +321,31 @@ def mariadb_url(mariadb_server: MariaDBServer) -> Iterator[str]:
     with mariadb_server.database("idem_test") as url:
         _prepare(url)
         yield url
+
+
+def _broker_url(env: str, default: str, advice: str) -> str:
+    from urllib.parse import urlsplit
+
+    url = os.environ.get(env) or default
+    parts = urlsplit(url)
+    if not _reachable(parts.hostname or "127.0.0.1", parts.port or 0):
+        where = f"{parts.hostname}:{parts.port}"
+        pytest.fail(advice.format(where=where), pytrace=False)
+    return url
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """RabbitMQ: ``IDEMPOTENCY_TEST_AMQP_URL``, else guest on 127.0.0.1:5672; fails if down."""
+    return _broker_url(
+        "IDEMPOTENCY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/", NO_RABBITMQ
+    )
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> str:
+    """NATS with JetStream: ``IDEMPOTENCY_TEST_NATS_URL``, else 127.0.0.1:4222; fails if down."""
+    return _broker_url("IDEMPOTENCY_TEST_NATS_URL", "nats://127.0.0.1:4222", NO_NATS)
 
 
 STORE_KINDS = [

@@ -24,7 +24,9 @@
 
     OnceError                   the function guard's answers (asgi_idempotency.Once)
     ├── InProgress              same key still running elsewhere (retry_after, seconds)
-    └── KeyReused               same key, other arguments or another function
+    ├── KeyReused               same key, other arguments or another function
+    ├── MissingMessageId        a broker message with no id to key it by (integrations)
+    └── AttemptsUnknown         a redelivery whose broker does not count deliveries
 
 Three roots, for three audiences: ``IdempotencyError`` s are HTTP answers, sent as
 problems; a :class:`StoreError` is the infrastructure failing, raised to whoever called
@@ -45,6 +47,7 @@ from .asgi import Send, send_response
 
 __all__ = [
     "AppNotStarted",
+    "AttemptsUnknown",
     "BodyTooLarge",
     "GuardMisconfigured",
     "IdempotencyError",
@@ -56,6 +59,7 @@ __all__ = [
     "KeyReused",
     "MiddlewareMisplaced",
     "MissingKey",
+    "MissingMessageId",
     "OnceError",
     "PrincipalMisconfigured",
     "PrincipalMissing",
@@ -307,3 +311,16 @@ class InProgress(OnceError):
 class KeyReused(OnceError):
     """The key was used with other arguments, or by another function: a new call
     needs a new key. The stored result is never returned for a different call."""
+
+
+class MissingMessageId(OnceError):
+    """A broker message carries no id to key it by (its publisher set none).
+
+    Keying it by what the broker assigns per delivery (a delivery tag) would run it
+    again on every redelivery, so the broker presets refuse it rather than guess.
+    """
+
+
+class AttemptsUnknown(OnceError):
+    """A redelivered message whose broker does not count deliveries (a classic RabbitMQ
+    queue): handed off rather than retried without a bound."""
