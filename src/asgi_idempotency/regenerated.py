@@ -17,7 +17,8 @@ through the store's own atomic ``insert`` (no schema change, every store):
 - its key is a digest of ("regenerated", host, principal, fingerprint), built so that
   it can never equal a request's or a function's record key;
 - its ``request_hash`` holds the request's scoped key (a digest: never the raw key);
-- its lease and retention both end ``window`` from now, so ``prune`` deletes it.
+- its lease and retention both end ``window`` from now, so ``prune`` deletes it;
+- its token is :data:`MARKER_TOKEN` and 16 random hex digits, one per marker.
 
 ``insert`` answers in the one round trip: nothing there (the first sighting), a live
 marker naming the same scoped key (a retry of one key: nothing to say), a live marker
@@ -42,6 +43,7 @@ with the record, and a request rolled back leaves none.
 from __future__ import annotations
 
 import hashlib
+import os
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -53,9 +55,12 @@ if TYPE_CHECKING:
 
 __all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
 
-# The token of every marker row: markers are never completed, renewed or released, so
-# no claim's fencing token is needed; a fixed one names them for a reader of the table.
-MARKER_TOKEN = "regenerated-key-marker"
+# How every marker row's token starts, naming markers for a reader of the table. The
+# rest is drawn per marker: markers are never completed, renewed or released, but a
+# store may answer an insert that meets a row with its own token as inserted (its first
+# attempt landed: RedisStore, the batching Postgres store), so a token shared by all
+# markers made every sighting a "first" there, and nothing was ever flagged.
+MARKER_TOKEN = "regenerated-key-"  # 16 characters, and 16 hex digits: the column's 32
 
 
 def marker_key(host: str, principal: str, fingerprint: str) -> str:
@@ -98,7 +103,8 @@ class RegeneratedKeys:
             StoreError: the store failed (the caller logs it and goes on).
         """
         until = now + self.window
-        marker = NewClaim(marker_key(host, principal, fingerprint), key, MARKER_TOKEN, now,
+        token = MARKER_TOKEN + os.urandom(8).hex()
+        marker = NewClaim(marker_key(host, principal, fingerprint), key, token, now,
                           until, until)  # fmt: skip
         found = await store.insert(marker)
         if found is None or found is BUSY:
