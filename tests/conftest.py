@@ -31,7 +31,6 @@ from starlette.applications import Starlette
 from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
-from asgi_idempotency.testing import Claimant
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -355,24 +354,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     """Every store kind, each empty; the contract and middleware suites run on all of them."""
     async with open_store(request, request.param) as opened:
         yield opened
-
-
-CLAIMANT_KINDS = [
-    *STORE_KINDS,
-    pytest.param("postgres-transactional", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=CLAIMANT_KINDS)
-async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
-    """Every store kind claimed the default way, and Postgres claimed in transactions too."""
-    kind: str = request.param
-    async with open_store(request, kind.removesuffix("-transactional")) as opened:
-        claims = Claimant(opened, transactional=kind.endswith("-transactional"))
-        try:
-            yield claims
-        finally:
-            await claims.close()
 
 
 @pytest.fixture

@@ -2,16 +2,17 @@
 
 :class:`asgi_idempotency.testing.StoreContract` is what users run on their own
 stores; here its ``store`` fixture is every kind of ours (tests/conftest.py's
-:data:`~tests.conftest.STORE_KINDS`) and its ``claimant`` those kinds plus
-Postgres claimed in transactions.
+:data:`~tests.conftest.STORE_KINDS`), and Postgres runs it again with its claims
+made in transactions, as the transactional mode makes them.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from asgi_idempotency import SQLStore
 from asgi_idempotency.stores.base import Store
-from asgi_idempotency.testing import Claimant, StoreContract
+from asgi_idempotency.testing import StoreContract
 
 
 class TestEveryStore(StoreContract):
@@ -19,6 +20,11 @@ class TestEveryStore(StoreContract):
     def store(self, store: Store) -> Store:
         return store  # the conftest's: every store kind, each empty
 
+
+@pytest.mark.postgres
+class TestPostgresTransactional(StoreContract):
+    transactional = True
+
     @pytest.fixture
-    def claimant(self, claimant: Claimant) -> Claimant:
-        return claimant  # the conftest's: every kind, and Postgres in transactions
+    def store(self, pg_store: SQLStore) -> Store:
+        return pg_store  # emptied
