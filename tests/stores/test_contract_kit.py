@@ -112,3 +112,12 @@ def test_a_users_module_runs_the_contract_and_catches_broken_stores(tmp_path: Pa
     } <= swapped
     forgot = outcomes["TestForgot"]
     assert all("override its `store` fixture" in outcome for outcome in forgot.values())
+
+
+def test_the_testing_package_exports_what_it_names() -> None:
+    import asgi_idempotency.testing as testing
+
+    assert list(testing.__all__) == sorted(testing.__all__)
+    for name in testing.__all__:
+        assert getattr(testing, name) is not None
+    assert testing.StoreContract is store_contract.StoreContract

@@ -13,6 +13,7 @@ own database and settings, against the rules every store keeps
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .http_checks import CheckReport, CheckResult, Outcome, assert_conforms, check_app
@@ -35,9 +36,11 @@ def __getattr__(name: str) -> Any:
     # Imported on first use, so that the HTTP checks need no pytest, and after asking
     # pytest to rewrite the contract's asserts (a failure then shows the values).
     if name in ("Claimant", "StoreContract"):
-        import pytest
+        module = f"{__name__}.store_contract"
+        if module not in sys.modules:  # imported directly: too late to rewrite
+            import pytest
 
-        pytest.register_assert_rewrite(f"{__name__}.store_contract")
+            pytest.register_assert_rewrite(module)
         from . import store_contract
 
         return getattr(store_contract, name)
