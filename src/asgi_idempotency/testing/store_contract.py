@@ -1,8 +1,9 @@
 """The store contract: the pytest tests every store passes, ours and anyone's.
 
 Subclass :class:`StoreContract` in a test module, under a name pytest collects
-(``Test…``), and override its ``store`` fixture to yield an empty store; pytest then
-runs every contract test on it::
+(``Test…``), and override its ``store`` fixture to yield an *empty* store (the tests
+use fixed keys); pytest runs every contract test on it, on asyncio through anyio's
+pytest plugin::
 
     class TestMyStore(StoreContract):
         @pytest.fixture
@@ -11,23 +12,12 @@ runs every contract test on it::
             yield opened
             await opened.close()
 
-The tests run on asyncio through anyio's pytest plugin (anyio comes with Starlette).
-Each test writes rows at fixed times in December 2026 and asks with the same clock,
-so a store that compares times it was given passes on any day. A store whose records
-expire by its own clock (a Redis key's TTL) keeps them for the retention given, counted
-from the row's ``created_at``. The ``store`` fixture must yield an *empty* store: the
-tests use fixed keys. Set ``transactional = True`` on the subclass of a
-:class:`~asgi_idempotency.stores.base.TransactionalStore` to run the claim tests in
-transactions of it as the middleware's transactional mode does.
-
-The rules pinned here: a key has one owner at a time (concurrent claims and take-overs
-have one winner); ``complete``, ``release`` and ``renew`` are fenced by the claim's
-token; completing a completed row answers False and changes nothing; ``replace`` is a
-compare-and-swap on the row as read; a renewal moves the lease and never lets retention
-end before it; ``insert`` meeting a row written with its own token (an earlier attempt of
-the same call) never answers another owner's row; expired rows answer as new and go to
-``prune``; the regenerated-key detector (:mod:`asgi_idempotency.regenerated`) works
-through the store's own ``insert``.
+What it pins: one owner per key (concurrent claims and take-overs have one winner);
+``complete``, ``release`` and ``renew`` fenced by the claim's token; completing a
+completed row answers False; ``replace`` a compare-and-swap on the row as read; renewal
+moves the lease and never lets retention end before it; an ``insert`` meeting its own
+token never answers another owner's row; expiry and ``prune``; the regenerated-key
+detector working through the store's ``insert``.
 """
 
 from __future__ import annotations
