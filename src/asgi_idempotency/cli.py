@@ -191,8 +191,9 @@ def _iso(value: datetime | None) -> str | None:
 async def _with_store(
     url: str, command_timeout: float, body: Callable[[Any], Awaitable[Exit]]
 ) -> Exit:
+    kind = kind_of(url)
     try:
-        store = kind_of(url).build(url, command_timeout=command_timeout)
+        store = kind.build(url, command_timeout=command_timeout, **kind.cli_options)
     except (ImportError, ValueError) as exc:  # its extra is missing, or it refused the URL
         raise CLIError(Exit.USAGE, str(exc)) from None
     try:

@@ -41,6 +41,8 @@ class StoreKind:
             :func:`~asgi_idempotency.urls.async_url`); ``None``: as given.
         lacks: for a capability the kind lacks, why, as the CLI says it
             (``{"prune": "..."}``); a kind without a note gets a generic sentence.
+        cli_options: more options for the store the CLI builds (one command at a
+            time: the SQL stores' ``pool_size=1``).
     """
 
     name: str
@@ -51,6 +53,7 @@ class StoreKind:
     drivers: bool = False
     normalize: Callable[[str], str] | None = None
     lacks: Mapping[str, str] = field(default_factory=dict)
+    cli_options: Mapping[str, Any] = field(default_factory=dict)
 
     def build(self, url: str, **options: Any) -> Store:
         """A store of this kind on ``url``; ``options`` go to the factory.
@@ -84,19 +87,22 @@ class StoreKind:
         return self.lacks.get(capability, f"the {self.name} store has no {capability}")
 
 
-#: Our kinds of store, one line each.
+#: Our kinds of store, one entry each.
 KINDS: list[StoreKind] = [
     StoreKind(
         "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql:SQLStore",
         Capabilities(transactions=True, migrations=True), drivers=True, normalize=async_url,
+        cli_options={"pool_size": 1},
     ),
     StoreKind(
         "SQLite", ("sqlite",), "asgi_idempotency.stores.sql:SQLStore",
         Capabilities(migrations=True), drivers=True, normalize=async_url,
+        cli_options={"pool_size": 1},
     ),
     StoreKind(
         "MariaDB/MySQL", ("mariadb", "mysql"), "asgi_idempotency.stores.sql:SQLStore",
         Capabilities(migrations=True), extra="mysql", drivers=True, normalize=async_url,
+        cli_options={"pool_size": 1},
     ),
     StoreKind(
         "Redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"),
