@@ -13,6 +13,7 @@ Postgres is ``tests/reliability/test_wait_storm.py``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -126,6 +127,13 @@ def post(client: httpx.AsyncClient) -> asyncio.Task[httpx.Response]:
     return asyncio.ensure_future(client.post("/refunds", headers=KEY, json=BODY))
 
 
+def waited_outcomes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The outcomes of the ``idempotency.waited`` events logged (digests only, no key)."""
+    events = [r for r in caplog.records if getattr(r, "event", "") == "idempotency.waited"]
+    assert all(KEY["Idempotency-Key"] not in r.getMessage() for r in events)
+    return [str(getattr(r, "outcome", "")) for r in events]
+
+
 def replayed(response: httpx.Response) -> bool:
     return bool(response.headers.get("idempotent-replayed") == "true")
 
@@ -136,8 +144,12 @@ def without_replay_mark(response: httpx.Response) -> list[tuple[bytes, bytes]]:
 
 @pytest.mark.parametrize("first_runs", ["here", "elsewhere"])
 async def test_a_duplicate_waits_and_gets_the_first_answer_byte_for_byte(
-    store: Any, clients: Callable[[Starlette], httpx.AsyncClient], first_runs: str
+    store: Any,
+    clients: Callable[[Starlette], httpx.AsyncClient],
+    first_runs: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_idempotency")
     handler = Handler()
     first_app = build(store, handler, LONG)
     dup_app = first_app if first_runs == "here" else build(store, handler, LONG)
@@ -157,12 +169,17 @@ async def test_a_duplicate_waits_and_gets_the_first_answer_byte_for_byte(
     assert again.content == original.content
     assert sorted(without_replay_mark(again)) == sorted(original.headers.raw)
     assert waiting(dup_app) == 0
+    assert waited_outcomes(caplog) == ["completed"]
 
 
 @pytest.mark.parametrize("first_runs", ["here", "elsewhere"])
 async def test_past_its_wait_a_duplicate_gets_409_and_the_first_still_answers(
-    store: Any, clients: Callable[[Starlette], httpx.AsyncClient], first_runs: str
+    store: Any,
+    clients: Callable[[Starlette], httpx.AsyncClient],
+    first_runs: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="asgi_idempotency")
     handler = Handler()
     bound = timedelta(seconds=0.5)
     first_app = build(store, handler, bound)
@@ -182,6 +199,7 @@ async def test_past_its_wait_a_duplicate_gets_409_and_the_first_still_answers(
     assert original.status_code == 201
     assert handler.runs == 1
     assert waiting(dup_app) == 0
+    assert waited_outcomes(caplog) == ["in_progress"]
 
 
 @pytest.mark.parametrize("first_runs", ["here", "elsewhere", "two other processes"])

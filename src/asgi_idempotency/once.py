@@ -429,10 +429,16 @@ class Once:
         token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
         claim = await self._claim_as(call, token, span)
         if claim.outcome is ClaimOutcome.IN_PROGRESS and call.wait is not None:
+            began = self.clock()
             claim = await self._waiters.wait(
                 call.key, call.fingerprint, claim, call.wait.total_seconds(), self.clock,
                 functools.partial(self._claim_as, call, token, span),
             )  # fmt: skip
+            waited = (self.clock() - began).total_seconds()
+            self._log(logging.INFO, "idempotency.waited", call, outcome=claim.outcome.value,
+                      waited_s=round(waited, 3))  # fmt: skip
+            if span is not None:
+                tracing.annotate(span, waited=True)
         outcome = claim.outcome
         if claim.owned:
             if outcome is ClaimOutcome.TAKEN_OVER:

@@ -395,7 +395,14 @@ class Responder:
                 except StoreError as exc:
                     await self._unavailable(exc, "claim")
                     return self.state is _State.UNGUARDED
-                now = rt.clock()
+                waited = rt.clock() - now
+                now += waited
+                self._log(
+                    logging.INFO, "idempotency.waited", outcome=claim.outcome.value,
+                    waited_s=round(waited.total_seconds(), 3),
+                )  # fmt: skip
+                if span is not None:
+                    tracing.annotate(span, waited=True)
             if not claim.owned:
                 self.state = _State.ANSWERED
                 await self._answer_existing(claim, now)
