@@ -36,6 +36,7 @@ from asgi_idempotency import (
     MemoryStore,
     Once,
     Policy,
+    StoreError,
     idempotent,
 )
 from asgi_idempotency.principals import ANONYMOUS
@@ -246,6 +247,31 @@ async def test_a_waiter_whose_first_fails_gets_409_if_the_rerun_outlasts_its_wai
     answers = sorted(r.status_code for r in await asyncio.gather(*duplicates))
     assert answers == [201, 409]  # the one that ran; the other, past its wait
     assert handler.runs == 2
+
+
+class UnreadableStore(MemoryStore):
+    """Claims work; every read fails, as when the store stops answering mid-wait."""
+
+    async def get(self, key: str) -> Record | None:
+        raise StoreError("the store did not answer")
+
+
+async def test_a_waiter_whose_reads_fail_gets_503_not_409(
+    clients: Callable[[Starlette], httpx.AsyncClient],
+) -> None:
+    store = UnreadableStore()
+    handler = Handler()
+    bound = timedelta(seconds=0.5)
+    first_app, dup_app = build(store, handler, bound), build(store, handler, bound)
+    first = post(clients(first_app))
+    await asyncio.wait_for(handler.started.wait(), 15)
+    unavailable = await post(clients(dup_app))
+    assert unavailable.status_code == 503  # not known whether the first ended
+    assert "retry-after" in unavailable.headers
+    assert "did not answer" not in unavailable.text  # the reason goes to the log only
+    handler.gate.set()
+    assert (await first).status_code == 201
+    assert handler.runs == 1
 
 
 # -- the policy ----------------------------------------------------------------

@@ -236,6 +236,9 @@ class Responder:
             # The scope holds this responder and it the scope: a cycle only the
             # collector would free, paid for by every request's p99.
             scope.pop(GUARD_SCOPE_KEY, None)
+            if self.req.policy.wait is not None:
+                # However the claim ended (a no-op once _finish has said so).
+                self.rt.waiters.settled(self.req.key)
 
     async def _run(self) -> None:
         if self.req.principal is None:
@@ -498,7 +501,6 @@ class Responder:
                 self._stop_renewal()
                 if self.tx is None:
                     self._log(logging.WARNING, "idempotency.cancelled")
-                    self._settled()  # waiters here go back to reading the store
             raise
         except GuardAnswered:
             if self.state is not _State.ANSWERED:
@@ -596,7 +598,8 @@ class Responder:
                 try:
                     await self._complete(stored, expires_at)
                 finally:
-                    self._settled()
+                    if self.req.policy.wait is not None:
+                        self.rt.waiters.settled(self.req.key)
             elif not await self._commit(self.tx, stored, expires_at):
                 self.state = _State.DONE
                 return
@@ -684,7 +687,8 @@ class Responder:
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
         finally:
-            self._settled()
+            if self.req.policy.wait is not None:
+                self.rt.waiters.settled(key)
 
     async def _unavailable(self, exc: StoreError, phase: str) -> None:
         rt = self.rt

@@ -45,12 +45,15 @@ _ANSWERED = frozenset({ClaimOutcome.COMPLETED, ClaimOutcome.MISMATCH})
 class _Watch:
     """The waiters of one key on one event loop, and what the latest read found."""
 
-    __slots__ = ("claiming", "loop", "news", "nudge", "record", "waiters")
+    __slots__ = ("claiming", "failed", "loop", "news", "nudge", "record", "waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.waiters = 0
         self.record: Record | None = None
+        # Why the latest read failed (its message: an exception kept here would hold
+        # its traceback's frames, this watch among them, in a cycle), or None.
+        self.failed: str | None = None
         self.claiming = False  # a waiter of this watch is claiming the key right now
         self.news = asyncio.Event()  # set (and replaced) when a read lands
         self.nudge = asyncio.Event()  # read now: the holder here is done, or nobody waits
@@ -93,7 +96,12 @@ class Waiters:
         self._held.add(key)
 
     def settled(self, key: str) -> None:
-        """The holder of ``key`` here completed, released or abandoned it: read it now."""
+        """The holder of ``key`` here completed, released or abandoned it: read it now.
+
+        Once per claim is enough: a second call (or one for a key not held) does nothing.
+        """
+        if key not in self._held:
+            return  # not held here: its watchers, if any, read the store anyway
         self._held.discard(key)
         watch = self._watches.get(key)
         if watch is None:
@@ -130,7 +138,8 @@ class Waiters:
             seen (or ``running``'s).
 
         Raises:
-            StoreError: ``reclaim`` failed.
+            StoreError: ``reclaim`` failed, or the time ran out while the store was
+                failing the reads.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
@@ -143,6 +152,10 @@ class Waiters:
                     async with asyncio.timeout_at(deadline):
                         await news.wait()
                 except TimeoutError:
+                    if watch.failed is not None:
+                        # The store stopped answering: whether the first ended is not
+                        # known, and the answer for an unreachable store is 503.
+                        raise StoreError(watch.failed) from None
                     return latest
                 record = watch.record
                 outcome = lifecycle.judge(record, request_hash, clock())
@@ -205,8 +218,9 @@ class Waiters:
             began = loop.time()
             try:
                 record = await self._get(key)
-            except StoreError:
-                pass  # no news; the waiters' bound still holds, then 409
+            except StoreError as exc:
+                watch.failed = str(exc)  # no news; a waiter whose bound ends now gets it
             else:
+                watch.failed = None
                 watch.publish(record)
             delay = min(max(delay * 2, loop.time() - began), self.poll_max)
