@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
+from fastapi import Depends, FastAPI, Header
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -39,7 +40,7 @@ from asgi_idempotency import (
     StoreError,
     idempotent,
 )
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Record
 from asgi_idempotency.waiting import POLL_FIRST, POLL_MAX, Waiters
 
@@ -272,6 +273,46 @@ async def test_a_waiter_whose_reads_fail_gets_503_not_409(
     handler.gate.set()
     assert (await first).status_code == 201
     assert handler.runs == 1
+
+
+async def test_a_duplicate_waits_when_the_claim_waits_for_fastapis_auth_dependency() -> None:
+    """``from_dependency``: the claim, and so the wait, happen inside FastAPI's
+    resolution of the route's dependencies; another caller's key is not waited on."""
+    app = FastAPI()
+    gate, started, runs = asyncio.Event(), asyncio.Event(), [0]
+    users = {"tok-alice": "alice", "tok-bob": "bob"}
+
+    def current_user(authorization: Annotated[str, Header()]) -> str:
+        return users[authorization]
+
+    @app.post("/refunds", status_code=201)
+    @idempotent(required=True, wait=LONG, lease=timedelta(seconds=30))
+    async def refund(user: str = Depends(current_user)) -> dict[str, Any]:
+        runs[0] += 1
+        run = runs[0]
+        if run == 1:
+            started.set()
+            await gate.wait()
+        return {"user": user, "run": run}
+
+    app.add_middleware(
+        IdempotencyMiddleware, store=MemoryStore(), principal=from_dependency(current_user)
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        alice = {**KEY, "authorization": "tok-alice"}
+        first = asyncio.ensure_future(c.post("/refunds", headers=alice))
+        await asyncio.wait_for(started.wait(), 15)
+        duplicate = asyncio.ensure_future(c.post("/refunds", headers=alice))
+        await until(lambda: waiters(app).waiting() == 1)
+        bob = await c.post("/refunds", headers={**KEY, "authorization": "tok-bob"})
+        assert bob.json() == {"user": "bob", "run": 2}  # his own key: runs at once
+        gate.set()
+        original, again = await first, await duplicate
+    assert original.json() == {"user": "alice", "run": 1}
+    assert again.content == original.content
+    assert replayed(again)
+    assert runs[0] == 2
 
 
 # -- the policy ----------------------------------------------------------------
