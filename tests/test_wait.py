@@ -13,6 +13,7 @@ Postgres is ``tests/reliability/test_wait_storm.py``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
@@ -43,6 +44,12 @@ from asgi_idempotency import (
 from asgi_idempotency.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Record
 from asgi_idempotency.waiting import POLL_FIRST, POLL_MAX, Waiters
+from tests.conftest import open_store
+from tests.test_garbage import ROUNDS as GARBAGE_ROUNDS
+from tests.test_garbage import Gate
+from tests.test_garbage import _app as garbage_app
+from tests.test_garbage import _call as call
+from tests.test_garbage import _garbage as garbage
 
 pytestmark = pytest.mark.anyio
 
@@ -494,3 +501,53 @@ async def test_once_without_wait_raises_in_progress_at_once() -> None:
         await asyncio.wait_for(once.call("A-1", charge, "A-1"), 1)
     gate.set()
     assert await first == "A-1"
+
+
+# -- no cyclic garbage (tests/test_garbage.py's measure, for a duplicate that waits) --
+
+
+@pytest.mark.parametrize("ends", ["replayed", "past its wait"])
+@pytest.mark.parametrize(
+    "kind",
+    ["memory", pytest.param("postgres_batched", marks=pytest.mark.postgres),
+     pytest.param("redis", marks=pytest.mark.redis)],
+)  # fmt: skip
+async def test_a_waiting_duplicate_leaves_no_cyclic_garbage(
+    request: pytest.FixtureRequest, kind: str, ends: str
+) -> None:
+    async with open_store(request, kind) as store:
+        await waits_without_garbage(store, ends)
+
+
+async def waits_without_garbage(store: Any, ends: str) -> None:
+    gate = Gate()
+    wait = timedelta(seconds=20 if ends == "replayed" else 0.05)
+    app = IdempotencyMiddleware(
+        garbage_app(gate), store=store, principal=ANONYMOUS, default_policy=Policy(wait=wait)
+    )
+
+    async def rounds(tag: str) -> None:
+        for i in range(GARBAGE_ROUNDS):
+            gate.entered.clear()
+            gate.opened.clear()
+            first = asyncio.ensure_future(call(app, f"{tag}-{i}", b'{"wait": true}'))
+            await gate.entered.wait()
+            duplicate = asyncio.ensure_future(call(app, f"{tag}-{i}", b'{"wait": true}'))
+            if ends == "replayed":
+                await until(lambda: app._runtime.waiters.waiting() == 1)
+                gate.opened.set()
+                assert await duplicate == 201
+            else:
+                assert await duplicate == 409
+                gate.opened.set()
+            assert await first == 201
+            del first, duplicate
+
+    gc.collect()
+    gc.disable()
+    try:
+        await rounds("warm")
+        extra = await garbage(lambda: rounds("counted"))
+    finally:
+        gc.enable()
+    assert sum(extra.values()) < GARBAGE_ROUNDS, f"cyclic garbage left: {extra.most_common(8)}"
