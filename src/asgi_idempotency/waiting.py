@@ -1,22 +1,9 @@
 """Duplicates that wait for the first's answer (``Policy(wait=...)``, ``Once(wait=...)``).
 
-A duplicate that finds its key running may wait, up to a bound, for the running claim
-to end, and is then answered from what it became: the stored response (replayed), or,
-if the first was released, a claim of its own. It holds no store connection while it
-waits. Per process and key one watch serves every waiter, so a storm of duplicates
-costs what one waiter costs:
-
-- the first holds its key in this process (:meth:`Waiters.hold`): the watch reads the
-  row once, when the holder says it is done (:meth:`Waiters.settled`), and not before;
-- the first runs elsewhere (another worker, another host): the watch reads the row
-  (``store.get``, one round trip, never two at once), the first read after
-  :data:`POLL_FIRST` seconds, each next one after twice as long, up to ``poll_max``.
-
-What a read finds is judged for each waiter by :func:`.lifecycle.judge`: completed is
-replayed, another body is a mismatch, running waits on. A key found free (released,
-expired, abandoned) is claimed by one waiter of this process at a time, through the
-caller's own claim; the others wait for what that claim becomes, so of many waiters
-only one runs the handler, and none is ever answered from a row the claim replaced.
+One watch per process and key serves every waiter, holding no store connection: told
+by a holder in this process when it ends, else reading the row with backoff. What it
+reads is judged by :func:`.lifecycle.judge`; a key found free is claimed by one waiter
+here at a time. The rules and their reasons: docs/design.md, "A duplicate that waits".
 """
 
 from __future__ import annotations
