@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]
 APP = "tests.reliability.wait_app:app"
 STORM = 200
 OTHERS = 20  # fresh keys sent to the storm's worker while the storm waits
-HOLD = 3.0  # seconds the first runs
+HOLD = 1.5  # seconds the storm waits once the other keys are served, before the first ends
 STORMS = 4
 LIMITS = httpx.Limits(max_connections=STORM + OTHERS + 10, max_keepalive_connections=0)
 
@@ -77,11 +77,12 @@ async def get_json(client: httpx.AsyncClient, path: str) -> dict[str, int]:
 
 async def storm(
     holder: httpx.AsyncClient, stormed: httpx.AsyncClient, wire: WireCounter, probe: Probe,
-    key: str,
+    key: str, gate: Path,
 ) -> tuple[list[RoundTrip], float]:  # fmt: skip
-    """One storm on ``key``: the first on ``holder``, 200 duplicates and 20 other keys on
-    ``stormed``; returns the stormed worker's round trips meanwhile and how long it took."""
-    body = {"amount": 4500, "sleep": HOLD}
+    """One storm on ``key``: the first on ``holder``, running until ``gate`` exists, 200
+    duplicates and 20 other keys on ``stormed``; returns the stormed worker's round
+    trips meanwhile and how long it took."""
+    body = {"amount": 4500, "gate": str(gate)}
     headers = {"Idempotency-Key": key}
     first = asyncio.ensure_future(holder.post("/refunds", json=body, headers=headers))
 
@@ -106,8 +107,11 @@ async def storm(
             for i in range(OTHERS)
         )
     )
-    assert [o.status_code for o in others] == [201] * OTHERS
-    assert not first.done(), "the other keys waited for the first: the pool was held"
+    assert [o.status_code for o in others] == [201] * OTHERS  # served while the storm waits
+    await asyncio.sleep(HOLD)  # the storm's worker keeps reading the key meanwhile
+    assert not first.done()
+    assert not any(d.done() for d in duplicates)
+    await asyncio.to_thread(gate.touch)
     original = await first
     answers = await asyncio.gather(*duplicates)
     took = time.monotonic() - began
@@ -144,7 +148,8 @@ async def test_a_storm_of_waiting_duplicates_reads_the_store_as_one_waiter_would
             memory: list[dict[str, int]] = []
             reads: list[tuple[int, int, float]] = []  # (reads, all round trips, seconds)
             for n in range(STORMS):  # two warm the worker up; memory is compared after
-                trips, took = await storm(holder, stormed, wire, probe, f"storm-{n}")
+                gate = tmp_path / f"gate-{n}"
+                trips, took = await storm(holder, stormed, wire, probe, f"storm-{n}", gate)
                 reads.append((reads_of_the_key(trips), len(trips), took))
                 memory.append(await get_json(stormed, "/memory"))
     print(f"reads, round trips, seconds per storm: {reads}; memory after each: {memory}")

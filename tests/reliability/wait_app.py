@@ -1,7 +1,8 @@
 """A Starlette app served by real uvicorn for the storm of waiting duplicates.
 
-``POST /refunds`` waits for a running first (``wait``): a body ``{"sleep": s}`` takes
-``s`` seconds, and each run appends a line with its key to the file ``EFFECTS``.
+``POST /refunds`` waits for a running first (``wait``): a body ``{"gate": path}`` runs
+until the file ``path`` exists, and each run appends a line with its key to the file
+``EFFECTS``.
 ``GET /waiting`` says how many duplicates wait in this worker, ``GET /memory`` its
 resident memory (kB) and live objects. ``STORE_URL`` is the store's SQLAlchemy URL.
 """
@@ -25,8 +26,8 @@ from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 from asgi_idempotency.principals import ANONYMOUS
 
 EFFECTS = Path(os.environ["EFFECTS"])
-WAIT = timedelta(seconds=10)
-LEASE = timedelta(seconds=15)
+WAIT = timedelta(seconds=25)
+LEASE = timedelta(seconds=30)
 
 
 def effect(key: str) -> None:
@@ -34,11 +35,20 @@ def effect(key: str) -> None:
         f.write(key + "\n")
 
 
+async def opened(gate: str) -> None:
+    for _ in range(3000):  # 60 s at most: a test that failed must not hang its server
+        if await asyncio.to_thread(os.path.exists, gate):
+            return
+        await asyncio.sleep(0.02)
+
+
 @idempotent(required=True, wait=WAIT, lease=LEASE)
 async def refund(request: Request) -> JSONResponse:
     data = await request.json()
     effect(request.headers["idempotency-key"])
-    await asyncio.sleep(float(data.get("sleep", 0)))
+    gate = data.get("gate")
+    if gate is not None:
+        await opened(str(gate))
     return JSONResponse({"refund": uuid.uuid4().hex, "amount": data.get("amount")}, 201)
 
 
