@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         BUSY,
+        AuditableStore,
         Bucket,
         Capabilities,
         NewClaim,
@@ -61,12 +62,14 @@ if TYPE_CHECKING:
         StoreTransaction,
         TransactionalStore,
     )
+    from .stores.duplicates import SuspectedDuplicate
     from .stores.memory import MemoryStore
     from .stores.redis import RedisStore as RedisStore  # not in __all__: the redis extra
     from .stores.sql import SQLStore
 
 __all__ = [
     "AppNotStarted",
+    "AuditableStore",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -113,6 +116,7 @@ __all__ = [
     "StoreTransaction",
     "StoreUnavailable",
     "StoredResponse",
+    "SuspectedDuplicate",
     "TransactionalStore",
     "__version__",
     "canonical_json",
@@ -159,6 +163,8 @@ _WHERE = {
     "ClaimOutcome": ".lifecycle",
     "RecordState": ".lifecycle",
     "BUSY": ".stores.base",
+    "AuditableStore": ".stores.base",
+    "SuspectedDuplicate": ".stores.duplicates",
     "Bucket": ".stores.base",
     "Capabilities": ".stores.base",
     "NewClaim": ".stores.base",

@@ -95,10 +95,23 @@ records = Table(
     Column("response_status", Integer, nullable=True),
     Column("response_headers", _blob(), nullable=True),
     Column("response_body", _blob(), nullable=True),
+    # For the audit of likely duplicates (stores/duplicates.py), written by every HTTP
+    # claim: sha256 hex of the caller's host and principal (never the principal in
+    # clear), and the route template. NULL on records of other kinds and on rows
+    # written before revision 0003.
+    Column("scope_digest", _ascii(64), nullable=True),
+    Column("route", String(255), nullable=True),
 )
 
 # Serves prune (expires_at <= now) without a sequential scan.
 Index("ix_idempotency_records_expires_at", records.c.expires_at)
+# Serves the audit: one caller's rows with one fingerprint, in time order.
+Index(
+    "ix_idempotency_records_scope",
+    records.c.scope_digest,
+    records.c.request_hash,
+    records.c.created_at,
+)
 
 
 def create_tables(conn: Connection) -> None:
@@ -111,7 +124,9 @@ def create_tables(conn: Connection) -> None:
 
     created = not inspect(conn).has_table(records.name)
     conn.execute(CreateTable(records, if_not_exists=True))
-    for index in records.indexes:
+    # In the order the migrations create them (a set has none), so that a table built
+    # here reads the same as a migrated one (SHOW CREATE TABLE lists keys in order).
+    for index in sorted(records.indexes, key=lambda index: str(index.name)):
         conn.execute(CreateIndex(index, if_not_exists=True))
     if created:
         stamp_head(conn)
