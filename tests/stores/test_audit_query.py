@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
-from asgi_idempotency import lifecycle
+from asgi_idempotency import SQLStore, lifecycle
+from asgi_idempotency.migrations import head, upgrade
 from asgi_idempotency.stores.base import AuditableStore, Store, StoredResponse, capabilities
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
 
@@ -94,3 +96,24 @@ def test_runs_chain_within_the_window_and_one_key_is_never_a_run() -> None:
     assert group_sightings([s("a", 0), s("b", 1, BOB)], WINDOW) == []
     with pytest.raises(ValueError, match="positive"):
         group_sightings([], timedelta(0))
+
+
+async def test_an_sqlite_file_an_earlier_version_made_gains_the_columns_at_start(
+    tmp_path: Path,
+) -> None:
+    # The embedded default: the app keeps its file itself, nobody runs `migrate` on it.
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0002")
+    store = SQLStore(url)
+    try:
+        await store.prepare()
+        await claim(store, "o1", NOW)
+        await claim(store, "o2", NOW + MIN)
+        assert await found(store) == [SuspectedDuplicate(ROUTE, ALICE, H, 2, 2, NOW, NOW + MIN)]
+        async with store.engine.connect() as conn:
+            recorded = (
+                await conn.exec_driver_sql("SELECT version_num FROM idempotency_alembic_version")
+            ).scalar_one()
+        assert recorded == head()
+    finally:
+        await store.close()
