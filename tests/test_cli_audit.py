@@ -102,3 +102,41 @@ def test_a_database_not_migrated_to_this_version_is_exit_4(
         upgrade(url, "0002")
         assert main(["audit", "--database-url", url]) == Exit.NO_SCHEMA
         assert "migrate" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_the_exporter_sets_the_gauge_per_route_and_resets_it() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from asgi_idempotency import MemoryStore
+    from asgi_idempotency.audit import AuditExporter
+    from asgi_idempotency.prometheus import PrometheusMetrics
+
+    store, registry = MemoryStore(), CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    clock = [datetime.now(UTC)]
+    exporter = AuditExporter(store, metrics, clock=lambda: clock[0])
+    name = "idempotency_audit_suspected_regenerated_keys"
+    for n in range(3):
+        at = clock[0] - timedelta(minutes=5) + timedelta(seconds=n)
+        await lifecycle.claim(
+            store, f"{n:064x}", "f" * 64, f"{n:032x}", now=at, locked_until=at,
+            expires_at=at + timedelta(days=1), scope_digest="c" * 64, route=ROUTE,
+        )  # fmt: skip
+    assert len(await exporter.run_once()) == 1
+    assert registry.get_sample_value(name, {"route": ROUTE}) == 2
+    clock[0] += timedelta(hours=2)  # the storm has left the lookback
+    assert await exporter.run_once() == []
+    assert registry.get_sample_value(name, {"route": ROUTE}) == 0
+    with pytest.raises(TypeError, match=r"Capabilities\.audit"):
+        AuditExporter(object(), metrics)
+
+
+def test_an_sqlite_file_of_an_earlier_version_is_reported_not_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0002")
+    assert main(["audit", "--database-url", url]) == Exit.NO_SCHEMA
+    assert "not at this version's head" in capsys.readouterr().err
+    assert main(["audit", "--database-url", url]) == Exit.NO_SCHEMA  # still: nothing changed

@@ -522,7 +522,7 @@ def _duration(text: str) -> timedelta:
 
 def cmd_audit(args: argparse.Namespace, out: TextIO) -> Exit:
     from .audit import extra_keys_by_route, suspected_duplicates
-    from .stores.base import PreparedStore
+    from .migrations import schema_problem
 
     url = _require_url(args)
     if args.format == "prometheus":
@@ -534,8 +534,17 @@ def cmd_audit(args: argparse.Namespace, out: TextIO) -> Exit:
             raise CLIError(Exit.USAGE, f"--format prometheus: {exc}") from None
 
     async def body(store: Any) -> Exit:
-        if isinstance(store, PreparedStore) and not is_redis(url):
-            await store.prepare()  # a database not migrated to this version: exit 4
+        if not is_redis(url):
+            # Read-only, like stats: a table from before revision 0003 is reported (exit
+            # 4), not upgraded (the app upgrades its own SQLite file at start).
+            with _store_errors(url):
+                async with store.engine.connect() as conn:
+                    problem = await conn.run_sync(schema_problem)
+            if problem is not None:
+                raise CLIError(
+                    Exit.NO_SCHEMA,
+                    f"{problem} in {redact(url)}: run `asgi-idempotency migrate` first",
+                )
         now = datetime.now(UTC)
         found = await suspected_duplicates(
             store, since=args.since, window=args.window, route=args.route, now=now
