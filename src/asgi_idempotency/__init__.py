@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
     from .errors import (
         AppNotStarted,
+        AttemptsUnknown,
         BodyTooLarge,
         GuardMisconfigured,
         IdempotencyError,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         KeyReused,
         MiddlewareMisplaced,
         MissingKey,
+        MissingMessageId,
         OnceError,
         PrincipalMisconfigured,
         PrincipalMissing,
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AppNotStarted",
+    "AttemptsUnknown",
     "AuditableStore",
     "BUSY",
     "BodyTooLarge",
@@ -92,6 +95,7 @@ __all__ = [
     "MetricsSnapshot",
     "MiddlewareMisplaced",
     "MissingKey",
+    "MissingMessageId",
     "NewClaim",
     "Once",
     "OnceError",
@@ -148,6 +152,8 @@ _WHERE = {
     "InProgress": ".errors",
     "KeyReused": ".errors",
     "OnceError": ".errors",
+    "MissingMessageId": ".errors",
+    "AttemptsUnknown": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",

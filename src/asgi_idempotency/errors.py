@@ -24,29 +24,16 @@
 
     OnceError                   the function guard's answers (asgi_idempotency.Once)
     ├── InProgress              same key still running elsewhere (retry_after, seconds)
-    └── KeyReused               same key, other arguments or another function
+    ├── KeyReused               same key, other arguments or another function
+    ├── MissingMessageId        a broker message with no id to key it by (integrations)
+    └── AttemptsUnknown         a redelivery whose broker does not count deliveries
 
-Three roots, because they reach three different audiences. ``IdempotencyError`` s are
-HTTP answers: the middleware sends them as problems. A :class:`StoreError` is a
-failure of the infrastructure, raised by a store to whoever called it (the middleware,
-the function guard, the pruner, the CLI), each of which decides what it means: the
-responder alone turns it into its 503 answer (:class:`StoreUnavailable`), the
-function guard raises it to its caller, the CLI exits 3 (4 for
-:class:`SchemaMissing`). The function guard's answers are raised to a caller in the
-same process, never rendered as HTTP problems, and an app's handler for
-``IdempotencyError`` must not turn a function call's ``InProgress`` into a 409 of the
-request that made it.
-
-Stores map their driver's exceptions to :class:`StoreError` at one boundary per
-driver (``stores/sqlerrors.py``, the Redis store's ``REDIS_ERRORS``), so nothing above
-``stores/`` ever catches a driver type, and what is not the driver's (a bug of ours)
-stays what it is: a logged 500, never a 503. The client half
-(``asgi_idempotency.client``) has errors of its own and imports nothing from here.
-
-Every error has two texts: ``detail``, the sentence every client may read in the
-problem body, and ``str(exc)``, the message for the server's log. They are the same
-except for store errors, whose message is the driver's reason (it may name the host,
-the database and the user) while their ``detail`` is a fixed sentence that names none.
+Three roots, for three audiences: ``IdempotencyError`` s are HTTP answers, sent as
+problems; a :class:`StoreError` is the infrastructure failing, raised to whoever called
+the store (only the responder turns it into :class:`StoreUnavailable`); an
+:class:`OnceError` is raised to a caller in the same process, never rendered as HTTP.
+``detail`` is what any client may read; ``str(exc)`` is for the server's log (for a
+store error, the driver's reason, which may name the host, database and user).
 """
 
 from __future__ import annotations
@@ -60,6 +47,7 @@ from .asgi import Send, send_response
 
 __all__ = [
     "AppNotStarted",
+    "AttemptsUnknown",
     "BodyTooLarge",
     "GuardMisconfigured",
     "IdempotencyError",
@@ -71,6 +59,7 @@ __all__ = [
     "KeyReused",
     "MiddlewareMisplaced",
     "MissingKey",
+    "MissingMessageId",
     "OnceError",
     "PrincipalMisconfigured",
     "PrincipalMissing",
@@ -322,3 +311,16 @@ class InProgress(OnceError):
 class KeyReused(OnceError):
     """The key was used with other arguments, or by another function: a new call
     needs a new key. The stored result is never returned for a different call."""
+
+
+class MissingMessageId(OnceError):
+    """A broker message carries no id to key it by (its publisher set none).
+
+    Keying it by what the broker assigns per delivery (a delivery tag) would run it
+    again on every redelivery, so the broker presets refuse it rather than guess.
+    """
+
+
+class AttemptsUnknown(OnceError):
+    """A redelivered message whose broker does not count deliveries (a classic RabbitMQ
+    queue): handed off rather than retried without a bound."""

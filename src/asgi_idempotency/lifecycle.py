@@ -1,37 +1,12 @@
 """The record lifecycle: every rule about what a stored record means, in one place.
 
-Stores only insert, compare-and-swap, update and delete (:mod:`.stores.base`). This
-module says what their answers mean:
-
-- :func:`state_of` — a row at ``now`` is expired, abandoned, running or completed;
-- :func:`judge` — what an existing row means for a new request (the table below);
-- :func:`claim` — the claim itself, as store primitives: insert, else judge the row
-  in the way and, where the request may have it, take it over by compare-and-swap;
-- :func:`completes` — whether a handler's response completes the key or releases it;
-- :func:`completion_backoff` — when to try again a completion that the store failed;
-- :func:`release_orphan` — what becomes of a claim whose requester went away while
-  it was in flight (the orphaned claim);
-- :func:`in_progress_wait` — the ``Retry-After`` of a 409.
-
-============================  ===========  =====  ==========================
-row before                    fingerprint  lease  outcome
-============================  ===========  =====  ==========================
-none, or expired (see below)  —            —      CLAIMED: run the handler
-in progress                   same         live   IN_PROGRESS (409)
-in progress                   same         over   TAKEN_OVER: run the handler
-in progress or completed      different    —      MISMATCH (422)
-completed                     same         —      COMPLETED: replay
-============================  ===========  =====  ==========================
-
-A claim that is still owned and renewed (in progress, lease live) is never expired,
-whatever its ``expires_at`` says: a handler may outlive its ``ttl``, and a duplicate
-must then get 409, not a second run. Stores keep their own expiry (prune's ``WHERE``,
-Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
-row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and
-:func:`claim` writes ``expires_at`` no earlier than ``locked_until``, so an in-progress
-row whose lease is live is never past its ``expires_at``. The rule is stated here
-too, so that a row written otherwise (renewed by an older version) is still judged
-by it.
+Stores only insert, compare-and-swap, update and delete (:mod:`.stores.base`); this
+module says what their answers mean: the state of a row (:func:`state_of`), what an
+existing row means for a new request (:func:`judge`: claim, 409, take-over, 422 or
+replay), the claim as store primitives (:func:`claim`), complete or release
+(:func:`completes`), a failed completion's retry schedule, the orphaned claim
+(:func:`release_orphan`) and the 409's ``Retry-After``. The record's life and why an
+owned, renewed claim is never expired: docs/design.md.
 """
 
 from __future__ import annotations

@@ -297,6 +297,12 @@ class Once:
         call = self._prepare(key, fn, args, kwargs)
         return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
 
+    def count(self, namespace: str, outcome: Outcome) -> None:
+        """Count a call an adapter refused before it reached this guard (a missing or
+        invalid key, a caller it cannot name), as the middleware counts a request it
+        refused: in :meth:`snapshot` and the metrics sink, under ``namespace``."""
+        self._observer.counted(namespace, outcome)
+
     def snapshot(self) -> MetricsSnapshot:
         """This guard's outcome counts so far, by namespace (in the route's place) and outcome."""
         return self._observer.counts.snapshot()
@@ -394,7 +400,12 @@ class Once:
         elif isinstance(exc, InProgress):
             self._outcome(call, span, Outcome.IN_PROGRESS)
         elif isinstance(exc, StoreError):
-            self._outcome(call, span, Outcome.STORE_UNAVAILABLE)
+            # Logged as the middleware logs the claim a 503 answered: the function did not run.
+            unavailable = Outcome.STORE_UNAVAILABLE
+            self._observer.store_error(
+                call.namespace, call.key, "claim", exc, outcome=unavailable.value
+            )
+            self._outcome(call, span, unavailable)
 
     async def _store(self, operation: str, span: Any, coro: Awaitable[T]) -> T:
         """Await one store operation, timed and traced as a child of ``span`` if either is on."""
@@ -430,6 +441,8 @@ class Once:
             if outcome is ClaimOutcome.COMPLETED:
                 assert record is not None
                 assert record.response is not None
+                # The middleware's replay event, without its status: a result has none.
+                self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
                 return record.response.body
             if outcome is ClaimOutcome.MISMATCH:
                 self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")

@@ -1,29 +1,11 @@
-"""Who the caller is: the principal a record belongs to.
+"""Who the caller is: the principal a record belongs to (``IdempotencyMiddleware(principal=...)``).
 
 A record's key is a digest of (host, principal, client key), so the principal decides
-who may receive a stored response. It is *who the caller is*, never the bytes of
-their credentials: a digest of an ``Authorization`` header or a session cookie
-changes when a token is refreshed or a cookie re-signed, and the same user's retry
-would then run a second time. Nor is it ever silently empty: a helper that finds no
-caller answers 401, and one that cannot work as wired says how to fix it.
-
-Pass one of these as ``IdempotencyMiddleware(principal=...)``:
-
-============================  =================================================
-``from_dependency(dep)``      FastAPI: the result of the app's own auth dependency;
-                              the claim waits until FastAPI has resolved it
-``from_user()``               an authenticated ``scope["user"]`` (Starlette's
-                              ``AuthenticationMiddleware``, outside the guard)
-``from_session(field)``       a field of ``scope["session"]`` (``SessionMiddleware``,
-                              outside the guard)
-``from_headers(*names)``      headers a gateway in front of the app has verified
-``ANONYMOUS``                 one caller, or a public service: no scoping
-any ``scope -> str | None``   your own; ``None`` is "no caller" (401)
-============================  =================================================
-
-``principal=`` is required: a default would have to guess who the caller is from a
-list of header names, and an app with its own header would share one caller's stored
-answers with every other.
+who may receive a stored response. It is who the caller is, never the bytes of their
+credentials (a refreshed token would run a retry twice), and never silently empty: a
+helper that finds no caller answers 401. The helpers (``from_dependency``,
+``from_user``, ``from_session``, ``from_headers``, ``ANONYMOUS``) and choosing one:
+docs/guide/principal.md.
 """
 
 from __future__ import annotations

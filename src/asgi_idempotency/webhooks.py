@@ -1,31 +1,10 @@
 """Webhook receivers: the key names the delivery, and only what its signature covers.
 
-A webhook sender (Stripe, GitHub, any Standard Webhooks sender) delivers at least once
-and names each delivery in its own header or body, not in ``Idempotency-Key``. Give a
-route ``Policy(key_from=...)`` with one of these and the guard takes the key from the
-delivery, after checking the sender's signature: a forged delivery is answered 400
-before any claim, so it can neither run the handler nor take the key from the real
-delivery. The key is read only from what the signature covers, so a genuine delivery
-re-sent under another id is the same delivery. A replay answers the stored 2xx, so the
-sender stops retrying; a 5xx releases, so its next attempt runs.
-
-Records are scoped by the sender and the endpoint (method, path and query the delivery
-was sent to), never by the middleware's ``principal=``: a sender that delivers one
-event to two endpoints has each run it once.
-
-================================  ===========================================
-``stripe(secret)``                ``Stripe-Signature`` checked by the ``stripe``
-                                  package (timestamp tolerance); key: the event id,
-                                  inside the signed body
-``github(secret)``                ``X-Hub-Signature-256`` (HMAC-SHA256 of the body,
-                                  as GitHub documents; no official library); key:
-                                  the body's SHA-256 (``X-GitHub-Delivery`` is not
-                                  signed); bodies up to GitHub's 25 MB
-``standard_webhooks(secret)``     ``webhook-signature`` checked by the
-                                  ``standardwebhooks`` package; key: ``webhook-id``,
-                                  which the signature covers
-``from_header(name, sender=...)`` a header, for a sender verified before the app
-================================  ===========================================
+``Policy(key_from=...)`` with one of these (``stripe``, ``github``,
+``standard_webhooks``, ``from_header``) takes a route's key from the sender's own
+delivery id, after checking the sender's signature: a forged delivery is a 400 before
+any claim. Records are scoped by the sender and the endpoint, never by the
+middleware's ``principal=``. Each sender's header, key and checks: docs/guide/usage.md.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from starlette.types import Scope
 from asgi_idempotency import (
     BUSY,
     AppNotStarted,
+    AttemptsUnknown,
     AuditableStore,
     BodyTooLarge,
     Bucket,
@@ -53,6 +54,7 @@ from asgi_idempotency import (
     MetricsSnapshot,
     MiddlewareMisplaced,
     MissingKey,
+    MissingMessageId,
     NewClaim,
     Once,
     OnceError,
@@ -347,6 +349,9 @@ async def function_guard(store: Store) -> int:
     except KeyReused as exc:
         reused: OnceError = exc
         raise reused from None
+    except (MissingMessageId, AttemptsUnknown) as exc:  # the broker presets' refusals
+        refused: OnceError = exc
+        raise refused from None
 
 
 # --- errors --------------------------------------------------------------------

@@ -672,10 +672,7 @@ class RedisStore:
         # One loop pass before the send: the requests that became ready in this pass
         # send their commands together, so redis-server wakes once for several and the
         # replies come back in one poll. Without it each send woke the server on its own
-        # (StreamWriter.writelines was 11% of a replay's app CPU, against 4% with it);
-        # over HTTP at 32 connections fresh keys went from 0.75-0.78x to 0.96-1.02x of
-        # redis-py's defaults, replays from 0.81-0.87x to 0.86-0.91x. Cancelled here,
-        # nothing has been sent.
+        # (measured in docs/performance.md). Cancelled here, nothing has been sent.
         if pause:
             await asyncio.sleep(0)
         try:
