@@ -51,7 +51,7 @@ from .errors import (
     StoreError,
     StoreUnavailable,
 )
-from .keys import scoped_key
+from .keys import MAX_ROUTE_LENGTH, scope_digest, scoped_key
 from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
@@ -368,6 +368,9 @@ class Responder:
             expires_at=now + policy.ttl,
             # A transaction's claim rolls back with it; the store's stays unless released.
             orphaned=rt.orphaned if self.tx is None else None,
+            # For the audit, on every guarded request: digests and the template only.
+            scope_digest=scope_digest(req.principal or "", req.host),
+            route=req.route[:MAX_ROUTE_LENGTH],
         )
         try:
             if span is None and not rt.observer.timing:
