@@ -520,6 +520,7 @@ def _duration(text: str) -> timedelta:
 def cmd_audit(args: argparse.Namespace, out: TextIO) -> Exit:
     from .audit import extra_keys_by_route, suspected_duplicates
     from .migrations import schema_problem
+    from .stores.base import capabilities
 
     url = _require_url(args)
     if args.format == "prometheus":
