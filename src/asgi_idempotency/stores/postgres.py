@@ -337,17 +337,50 @@ class PostgresTransaction:
     whose statement met a rival's commit asks once more.
     """
 
-    __slots__ = ("_conn", "state")
+    __slots__ = ("_closing", "_conn", "_engine", "_sent", "state")
 
-    def __init__(self, conn: AsyncConnection) -> None:
+    def __init__(
+        self, engine: AsyncEngine, conn: AsyncConnection, closing: set[asyncio.Task[Any]]
+    ) -> None:
+        self._engine = engine
+        self._closing = closing
+        self._sent = False  # whether a statement of the transaction was sent on _conn
         self._conn = conn
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+
+    async def _claim(self, values: dict[str, Any]) -> Sequence[Any]:
+        """The claim statement; as the transaction's first, once more on a fresh
+        connection if the pool's turned out to be broken.
+
+        The pool's connections are taken unpinged (no round trip), so one the server
+        closed while it was idle is found out by the first statement sent on it. That
+        one is safe to send again: its transaction never committed (its BEGIN rides
+        with it), and the handler has not run. Never later: the handler may have.
+        """
+        first, self._sent = not self._sent, True
+        try:
+            row: Sequence[Any] = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            return row
+        except PG_ERRORS.errors as exc:
+            if not first or not PG_ERRORS.breaks(exc):
+                raise PG_ERRORS.translate(exc) from exc
+            broken = exc
+        # Invalidated outside a greenlet, as the hot path does: asyncpg is terminated at
+        # once rather than closed gracefully, which could wait on a dead socket.
+        dead = self._conn
+        if dead.sync_connection is not None:
+            dead.sync_connection.invalidate(broken)
+        await _close(dead, self._closing)
+        self._conn = await _begin(self._engine)
+        self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
+        with PG_ERRORS:
+            row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+        return row
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         values = new._asdict()
         for _ in range(_INSERT_ATTEMPTS):
-            with PG_ERRORS:
-                row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            row = await self._claim(values)
             if not row[0]:
                 return BUSY
             if row[1]:
@@ -408,17 +441,33 @@ async def open_transaction(
 ) -> AsyncIterator[PostgresTransaction]:
     """A connection in a transaction; closing it (even when cancelled) rolls back what
     was not committed and returns the connection to the pool."""
+    tx = PostgresTransaction(engine, await _begin(engine), closing)
+    try:
+        yield tx
+    finally:
+        await _close(tx._conn, closing)
+
+
+async def _begin(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
     with PG_ERRORS:
         conn = await engine.connect()
     try:
         with PG_ERRORS:
             await conn.begin()
-        yield PostgresTransaction(conn)
-    finally:
-        task = asyncio.ensure_future(conn.close())
-        closing.add(task)
-        task.add_done_callback(closing.discard)
-        await asyncio.shield(task)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def _close(conn: AsyncConnection, closing: set[asyncio.Task[Any]]) -> None:
+    """Roll back what was not committed and return ``conn`` to the pool, even when
+    cancelled (in a task of its own, which the store's close waits for)."""
+    task = asyncio.ensure_future(conn.close())
+    closing.add(task)
+    task.add_done_callback(closing.discard)
+    await asyncio.shield(task)
 
 
 # Serialises concurrent create_all calls on one database (a transaction-scoped lock).
