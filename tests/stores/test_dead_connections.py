@@ -1,4 +1,6 @@
-"""Dead pooled Postgres connections cost no answer, batched or not (issue 33, item 13).
+"""Dead pooled Postgres connections cost no answer, batched or not, in transactions too.
+
+Issue 33, item 13.
 
 Real Postgres, the real middleware over ASGI: the hot path's connections are warmed by
 requests, then a second connection ``pg_terminate_backend``s every idle backend of the

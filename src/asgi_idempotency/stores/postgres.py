@@ -56,6 +56,12 @@ T = TypeVar("T")
 _INSERT_ATTEMPTS = 3
 
 
+def _gone(fairy: PoolProxiedConnection) -> bool:
+    """Whether asyncpg knows the connection closed (it read the server's end): no I/O."""
+    driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+    return driver.is_closed()
+
+
 class _NoConnection(Exception):
     """A hot-path statement waited ``command_timeout`` for a connection in vain."""
 
@@ -150,8 +156,7 @@ class PostgresDriver:
 
     def _gone(self, fairy: PoolProxiedConnection) -> bool:
         """Whether the driver knows the connection closed (it read the server's end)."""
-        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
-        return driver.is_closed()
+        return _gone(fairy)
 
     def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
         while self._waiters:
@@ -370,8 +375,9 @@ class PostgresTransaction:
         dead = self._conn
         if dead.sync_connection is not None:
             dead.sync_connection.invalidate(broken)
+        del broken  # its traceback holds this frame: no cycle left behind
         await _close(dead, self._closing)
-        self._conn = await _begin(self._engine)
+        self._conn = await _begin(self._engine, self._closing)
         self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
         with PG_ERRORS:
             row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
@@ -441,17 +447,26 @@ async def open_transaction(
 ) -> AsyncIterator[PostgresTransaction]:
     """A connection in a transaction; closing it (even when cancelled) rolls back what
     was not committed and returns the connection to the pool."""
-    tx = PostgresTransaction(engine, await _begin(engine), closing)
+    tx = PostgresTransaction(engine, await _begin(engine, closing), closing)
     try:
         yield tx
     finally:
         await _close(tx._conn, closing)
 
 
-async def _begin(engine: AsyncEngine) -> AsyncConnection:
+async def _begin(engine: AsyncEngine, closing: set[asyncio.Task[Any]]) -> AsyncConnection:
     """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
-    with PG_ERRORS:
-        conn = await engine.connect()
+    while True:
+        with PG_ERRORS:
+            conn = await engine.connect()
+        # One the server closed while it was idle, and asyncpg has read its end, would
+        # only fail the claim: skipped for the next, as the hot path's checkout does.
+        # Each one skipped is invalidated, so it connects afresh when next taken.
+        assert conn.sync_connection is not None  # set until the connection is closed
+        if not _gone(conn.sync_connection.connection):
+            break
+        conn.sync_connection.invalidate()
+        await _close(conn, closing)
     try:
         with PG_ERRORS:
             await conn.begin()
