@@ -1,4 +1,6 @@
-"""Dead pooled Postgres connections cost no answer, batched or not (issue 33, item 13).
+"""Dead pooled Postgres connections cost no answer, batched or not, in transactions too.
+
+Issue 33, item 13.
 
 Real Postgres, the real middleware over ASGI: the hot path's connections are warmed by
 requests, then a second connection ``pg_terminate_backend``s every idle backend of the
@@ -13,11 +15,20 @@ import asyncio
 import uuid
 from datetime import timedelta
 
+import httpx
 import pytest
+from sqlalchemy import func, insert, select
 from sqlalchemy.engine import make_url
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore
+from asgi_idempotency import ClaimOutcome, IdempotencyMiddleware, Policy, RecordStatus, SQLStore
+from asgi_idempotency.demo import refunds
 from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.transactional import get_session
 from tests.conftest import TinyFactory, emptied
 from tests.pgfaults import FaultProxy
 from tests.stores.test_batching import RESPONSE, TTL, k, tok
@@ -102,3 +113,60 @@ async def test_a_statement_whose_answer_was_lost_is_answered_as_it_landed(
         assert proxy.cuts == 3
     found = await rows(pg_url)
     assert found[k("a")] == (RecordStatus.COMPLETED.value, token)
+
+
+# Transactional requests each hold a connection of the store's pool for the request.
+TX_REQUESTS = 20
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_idle_connections_terminated_cost_a_transactional_route_no_answer(
+    pg_url: str, batching: bool
+) -> None:
+    """The transaction's connection comes from the pool unpinged: when the claim, its
+    first statement, finds it dead, the transaction opens again on a fresh one, and the
+    handler writes through that one."""
+    runs: list[str] = []
+
+    async def refund(request: Request) -> Response:
+        runs.append(request.headers["idempotency-key"])
+        await get_session(request).execute(
+            insert(refunds).values(id=uuid.uuid4().hex, order_id="1", amount=1)
+        )
+        return JSONResponse({"n": len(runs)}, status_code=201)
+
+    async with emptied(SQLStore(pg_url, batching=batching)) as store:
+        app = Starlette(
+            routes=[Route("/refunds", refund, methods=["POST"])],
+            middleware=[
+                Middleware(
+                    IdempotencyMiddleware,
+                    store=store,
+                    principal=ANONYMOUS,
+                    policies={"POST /refunds": Policy(required=True, transactional=True)},
+                )
+            ],
+        )
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+
+            async def post(key: str) -> int:
+                response = await client.post("/refunds", json={}, headers={"Idempotency-Key": key})
+                return response.status_code
+
+            for _ in range(ROUNDS):
+                warm = await asyncio.gather(*(post(uuid.uuid4().hex) for _ in range(TX_REQUESTS)))
+                assert set(warm) == {201}
+                assert await _terminate_idle(pg_url) >= 1
+                keys = [uuid.uuid4().hex for _ in range(TX_REQUESTS)]
+                answers = await asyncio.gather(*(post(key) for key in keys))
+                assert answers == [201] * TX_REQUESTS
+                ran = len(runs)
+                replays = await asyncio.gather(*(post(key) for key in keys))
+                assert replays == [201] * TX_REQUESTS
+                assert len(runs) == ran
+        # Each run's write committed with its record, once: none on a connection given up.
+        assert len(set(runs)) == len(runs)
+        async with store.engine.connect() as conn:
+            written = (await conn.execute(select(func.count()).select_from(refunds))).scalar_one()
+        assert written == len(runs)

@@ -56,6 +56,12 @@ T = TypeVar("T")
 _INSERT_ATTEMPTS = 3
 
 
+def _gone(fairy: PoolProxiedConnection) -> bool:
+    """Whether asyncpg knows the connection closed (it read the server's end): no I/O."""
+    driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+    return driver.is_closed()
+
+
 class _NoConnection(Exception):
     """A hot-path statement waited ``command_timeout`` for a connection in vain."""
 
@@ -150,8 +156,7 @@ class PostgresDriver:
 
     def _gone(self, fairy: PoolProxiedConnection) -> bool:
         """Whether the driver knows the connection closed (it read the server's end)."""
-        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
-        return driver.is_closed()
+        return _gone(fairy)
 
     def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
         while self._waiters:
@@ -337,17 +342,51 @@ class PostgresTransaction:
     whose statement met a rival's commit asks once more.
     """
 
-    __slots__ = ("_conn", "state")
+    __slots__ = ("_closing", "_conn", "_engine", "_sent", "state")
 
-    def __init__(self, conn: AsyncConnection) -> None:
+    def __init__(
+        self, engine: AsyncEngine, conn: AsyncConnection, closing: set[asyncio.Task[Any]]
+    ) -> None:
+        self._engine = engine
+        self._closing = closing
+        self._sent = False  # whether a statement of the transaction was sent on _conn
         self._conn = conn
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+
+    async def _claim(self, values: dict[str, Any]) -> Sequence[Any]:
+        """The claim statement; as the transaction's first, once more on a fresh
+        connection if the pool's turned out to be broken.
+
+        The pool's connections are taken unpinged (no round trip), so one the server
+        closed while it was idle is found out by the first statement sent on it. That
+        one is safe to send again: its transaction never committed (its BEGIN rides
+        with it), and the handler has not run. Never later: the handler may have.
+        """
+        first, self._sent = not self._sent, True
+        try:
+            row: Sequence[Any] = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            return row
+        except PG_ERRORS.errors as exc:
+            if not first or not PG_ERRORS.breaks(exc):
+                raise PG_ERRORS.translate(exc) from exc
+            broken = exc
+        # Invalidated outside a greenlet, as the hot path does: asyncpg is terminated at
+        # once rather than closed gracefully, which could wait on a dead socket.
+        dead = self._conn
+        if dead.sync_connection is not None:
+            dead.sync_connection.invalidate(broken)
+        del broken  # its traceback holds this frame: no cycle left behind
+        await _close(dead, self._closing)
+        self._conn = await _begin(self._engine, self._closing)
+        self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
+        with PG_ERRORS:
+            row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+        return row
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         values = new._asdict()
         for _ in range(_INSERT_ATTEMPTS):
-            with PG_ERRORS:
-                row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            row = await self._claim(values)
             if not row[0]:
                 return BUSY
             if row[1]:
@@ -408,17 +447,42 @@ async def open_transaction(
 ) -> AsyncIterator[PostgresTransaction]:
     """A connection in a transaction; closing it (even when cancelled) rolls back what
     was not committed and returns the connection to the pool."""
-    with PG_ERRORS:
-        conn = await engine.connect()
+    tx = PostgresTransaction(engine, await _begin(engine, closing), closing)
+    try:
+        yield tx
+    finally:
+        await _close(tx._conn, closing)
+
+
+async def _begin(engine: AsyncEngine, closing: set[asyncio.Task[Any]]) -> AsyncConnection:
+    """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
+    while True:
+        with PG_ERRORS:
+            conn = await engine.connect()
+        # One the server closed while it was idle, and asyncpg has read its end, would
+        # only fail the claim: skipped for the next, as the hot path's checkout does.
+        # Each one skipped is invalidated, so it connects afresh when next taken.
+        assert conn.sync_connection is not None  # set until the connection is closed
+        if not _gone(conn.sync_connection.connection):
+            break
+        conn.sync_connection.invalidate()
+        await _close(conn, closing)
     try:
         with PG_ERRORS:
             await conn.begin()
-        yield PostgresTransaction(conn)
-    finally:
-        task = asyncio.ensure_future(conn.close())
-        closing.add(task)
-        task.add_done_callback(closing.discard)
-        await asyncio.shield(task)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def _close(conn: AsyncConnection, closing: set[asyncio.Task[Any]]) -> None:
+    """Roll back what was not committed and return ``conn`` to the pool, even when
+    cancelled (in a task of its own, which the store's close waits for)."""
+    task = asyncio.ensure_future(conn.close())
+    closing.add(task)
+    task.add_done_callback(closing.discard)
+    await asyncio.shield(task)
 
 
 # Serialises concurrent create_all calls on one database (a transaction-scoped lock).
