@@ -1,0 +1,253 @@
+"""The execution core: one guarded operation's claim, completion and release.
+
+The HTTP responder and :class:`~.once.Once` are adapters over :class:`Executor`; it
+is the one caller that drives :mod:`.lifecycle`, so both meet every lifecycle event
+(a take-over, a failed completion, a cancellation, an orphaned claim) the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple, TypeVar
+
+from . import lifecycle, tracing
+from .errors import StoreError
+from .lease import LeaseRenewals, Renewal, complete_later
+from .lifecycle import Claim, ClaimOutcome
+from .observer import Observer
+from .policy import Policy
+from .stores.base import NewClaim, Store, StoredResponse
+
+__all__ = ["Execution", "Executor"]
+
+T = TypeVar("T")
+
+
+class Execution(NamedTuple):
+    """One claim as :meth:`Executor.claim` made it; the handle of its completion or release."""
+
+    claim: Claim
+    now: datetime  # the claim's clock reading
+    key: str
+    token: str  # "" unless the claim is this execution's
+    route: str  # a route template, or a function's namespace: logs and metrics
+    policy: Policy
+    renewal: Renewal | None  # None in a transaction (its claim rolls back with it)
+
+    @property
+    def owned(self) -> bool:
+        return self.claim.owned
+
+
+class Executor:
+    """What every execution of one guard shares: the store, the clock and the settings."""
+
+    __slots__ = ("background", "clock", "fail_open", "observer", "renewals", "retry_after",
+                 "store")  # fmt: skip
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Callable[[], datetime],
+        fail_open: bool,
+        retry_after: float,
+        observer: Observer,
+    ) -> None:
+        self.store, self.clock = store, clock
+        self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
+        # Completions, releases and transaction closes that outlive a cancelled caller.
+        self.background: set[asyncio.Task[Any]] = set()
+        self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
+
+    async def claim(
+        self,
+        claimant: lifecycle.Claimant,
+        key: str,
+        fingerprint: str,
+        route: str,
+        policy: Policy,
+        *,
+        span: Any = None,
+        transaction: bool = False,
+    ) -> Execution:
+        """Claim ``key`` (:func:`.lifecycle.claim`); an owned claim's lease is renewed
+        from now until :meth:`complete`, :meth:`release` or :meth:`abandon`.
+
+        ``claimant`` is the store, or (``transaction``) a transaction of it, whose claim
+        needs no orphan release and no renewal: it rolls back with the transaction.
+
+        Raises:
+            StoreError: the store failed; nothing is claimed.
+        """
+        now = self.clock()
+        token = os.urandom(16).hex()  # the fencing token: 128 random bits
+        claiming = lifecycle.claim(
+            claimant,
+            key,
+            fingerprint,
+            token,
+            now=now,
+            locked_until=now + policy.lease,
+            expires_at=now + policy.ttl,
+            # A transaction's claim rolls back with it; the store's stays unless released.
+            orphaned=None if transaction else functools.partial(self.orphaned, route),
+        )
+        if span is None and not self.observer.timing:
+            claim = await claiming  # the common case: no span, no timing, no context
+        else:
+            with self.observer.store_call("claim", span):
+                claim = await claiming
+        if not claim.owned:
+            return Execution(claim, now, key, "", route, policy, None)
+        if claim.outcome is ClaimOutcome.TAKEN_OVER:
+            self.observer.log(logging.WARNING, "idempotency.takeover", route, key,
+                              outcome="taken_over")  # fmt: skip
+            if span is not None:
+                tracing.annotate(span, taken_over=True)
+            self.observer.takeover(route)
+        renewal = (
+            None
+            if transaction
+            else self.renewals.start(key, token, policy.lease, policy.renew_every, route)
+        )
+        return Execution(claim, now, key, token, route, policy, renewal)
+
+    def in_progress_wait(self, execution: Execution) -> float:
+        """Seconds until a claim held by another is worth asking about again."""
+        return lifecycle.in_progress_wait(execution.claim.record, execution.now, self.retry_after)
+
+    def stop(self, execution: Execution) -> None:
+        """Stop renewing the claim's lease (idempotent)."""
+        if execution.renewal is not None:
+            execution.renewal.stop(execution.token)
+
+    async def complete(
+        self, execution: Execution, stored: StoredResponse, *, span: Any = None
+    ) -> None:
+        """Store the outcome and end the claim.
+
+        A failure of the store is logged and the completion tried again in the
+        background, under a renewed lease, for the lease's life (:func:`.lease.complete_later`):
+        the effect happened and the caller gets its true outcome now. A cancellation
+        hands the same statement to :meth:`rerun`. Store errors never escape.
+        """
+        self.stop(execution)
+        store, key, token = self.store, execution.key, execution.token
+        expires_at = self.clock() + execution.policy.ttl
+        try:
+            completing = store.complete(key, token, stored, expires_at=expires_at)
+            if span is None and not self.observer.timing:
+                owned = await completing
+            else:
+                with self.observer.store_call("complete", span):
+                    owned = await completing
+        except asyncio.CancelledError:
+            # A partial, built only now: a lambda would give this function cells
+            # that every request pays for.
+            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
+            self.rerun(again, execution.route, key, "complete")
+            raise
+        except StoreError as exc:
+            route, policy = execution.route, execution.policy
+            self.observer.store_error(route, key, "complete", exc)
+            self.complete_later(
+                key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
+                route=route,
+            )  # fmt: skip
+            return
+        if not owned:
+            self.observer.log(logging.ERROR, "idempotency.claim_lost", execution.route, key,
+                              phase="complete")  # fmt: skip
+
+    async def release(self, execution: Execution, *, span: Any = None) -> None:
+        """Release the claim so that a retry runs again; a store failure is logged (the
+        claim then lapses after its lease), a cancellation hands it to :meth:`rerun`."""
+        self.stop(execution)
+        store, key, token = self.store, execution.key, execution.token
+        try:
+            releasing = store.release(key, token)
+            if span is None and not self.observer.timing:
+                await releasing
+            else:
+                with self.observer.store_call("release", span):
+                    await releasing
+        except asyncio.CancelledError:
+            self.rerun(functools.partial(store.release, key, token), execution.route, key,
+                       "release")  # fmt: skip
+            raise
+        except StoreError as exc:
+            self.observer.store_error(execution.route, key, "release", exc)
+
+    def release_later(self, execution: Execution) -> None:
+        """Release, in the background, a claim for which nothing ran (its caller was
+        cancelled before it could run anything)."""
+        self.stop(execution)
+        again = functools.partial(self.store.release, execution.key, execution.token)
+        self.rerun(again, execution.route, execution.key, "release")
+
+    def abandon(self, execution: Execution) -> None:
+        """The caller was cancelled part-way: the effect may or may not have happened.
+        The claim stays in progress until its lease ends rather than inviting a rerun."""
+        self.stop(execution)
+        self.observer.log(logging.WARNING, "idempotency.cancelled", execution.route, execution.key)
+
+    def orphaned(self, route: str, new: NewClaim) -> None:
+        """A claim whose caller was cancelled while it was in flight: release it
+        (:func:`.lifecycle.release_orphan`) in the background."""
+        release = functools.partial(lifecycle.release_orphan, self.store, new)
+        self.rerun(release, route, new.key, "release")
+
+    def rerun(
+        self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
+    ) -> None:
+        """Run a completion or release again to the end, after a cancellation cut it short.
+
+        A completion or release is awaited directly: no task and no extra loop turns
+        on the common path. If a cancellation interrupts it, the caller hands the same
+        statement here, to run in a task of its own whose failure is logged under the
+        route and key digest; both are fenced by the claim's token, so a second run
+        changes nothing a first one that did land had not already done.
+        """
+        task = asyncio.ensure_future(make())
+        self._keep(task)
+        task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
+
+    def complete_later(
+        self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
+        lease: timedelta, every: float, route: str,
+    ) -> None:  # fmt: skip
+        """Try again, in the background, a completion that the store failed
+        (:func:`.lease.complete_later`: for the lease's life, under a renewed lease)."""
+        task = asyncio.ensure_future(
+            complete_later(
+                self.store, self.renewals, self.observer, key, token, stored, expires_at,
+                lease=lease, every=every, route=route,
+            )
+        )  # fmt: skip
+        self._keep(task)
+        task.add_done_callback(
+            functools.partial(self._log_failure, route, key, "complete", after="retrying")
+        )
+
+    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` to the end even if the caller is cancelled (it cannot run twice)."""
+        task = asyncio.ensure_future(coro)
+        self._keep(task)
+        return await asyncio.shield(task)
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def _log_failure(
+        self, route: str, key: str, phase: str, task: asyncio.Task[Any], after: str = "cancelled"
+    ) -> None:
+        # Nobody awaits the task any more: its failure would otherwise go unseen.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.observer.store_error(route, key, phase, exc, after=after)
