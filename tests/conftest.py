@@ -15,9 +15,8 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,10 +29,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 
-from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
-from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore
+from asgi_idempotency.stores.base import Store
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -412,80 +410,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     """Every store kind, each empty; the contract and middleware suites run on all of them."""
     async with open_store(request, request.param) as opened:
         yield opened
-
-
-class Claimant:
-    """Claims made as the middleware makes them: on the store, or in a transaction of it.
-
-    In the transactional mode an owned claim keeps its transaction (and the key's
-    lock) open until :meth:`complete` commits it or :meth:`release` rolls it back.
-    """
-
-    def __init__(self, store: Store, *, transactional: bool) -> None:
-        self.store = store
-        self.transactional = transactional
-        self._held: dict[str, tuple[AsyncExitStack, StoreTransaction]] = {}
-
-    async def claim(
-        self, key: str, request_hash: str, token: str, *, now: datetime,
-        locked_until: datetime, expires_at: datetime,
-    ) -> Claim:  # fmt: skip
-        times: dict[str, Any] = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
-        if not self.transactional:
-            return await lifecycle.claim(self.store, key, request_hash, token, **times)
-        assert isinstance(self.store, TransactionalStore)
-        stack = AsyncExitStack()
-        tx = await stack.enter_async_context(self.store.transaction())
-        try:
-            claim = await lifecycle.claim(tx, key, request_hash, token, **times)
-        except BaseException:
-            await stack.aclose()
-            raise
-        if claim.owned:
-            self._held[token] = (stack, tx)
-        else:
-            await stack.aclose()
-        return claim
-
-    async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
-    ) -> bool:
-        if not self.transactional:
-            return await self.store.complete(key, token, response, expires_at=expires_at)
-        stack, tx = self._held.pop(token)
-        async with stack:
-            await tx.commit(key, token, response, expires_at=expires_at)
-        return True
-
-    async def release(self, key: str, token: str) -> bool:
-        if not self.transactional:
-            return await self.store.release(key, token)
-        stack, _ = self._held.pop(token)
-        await stack.aclose()  # leaving without commit rolls the claim back
-        return True
-
-    async def close(self) -> None:
-        for stack, _ in self._held.values():
-            await stack.aclose()
-        self._held.clear()
-
-
-CLAIMANT_KINDS = [
-    *STORE_KINDS,
-    pytest.param("postgres-transactional", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=CLAIMANT_KINDS)
-async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
-    """Every store kind claimed the default way, and Postgres claimed in transactions too."""
-    kind: str = request.param
-    async with open_store(request, kind.removesuffix("-transactional")) as opened:
-        claims = Claimant(opened, transactional=kind.endswith("-transactional"))
-        try:
-            yield claims
-        finally:
-            await claims.close()
 
 
 @pytest.fixture

@@ -9,6 +9,9 @@ other drivers are refused, and passwords are never printed. ``inspect`` and ``st
 also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
 expires records itself and ``migrate`` that Redis needs no schema, both exiting 0.
+Each URL's store comes from the store registry (:mod:`asgi_idempotency.stores.registry`,
+where a store of one's own registers its schemes too), and each command asks the
+store's declared capabilities (prune, migrations, stats), never the URL's scheme.
 Every URL hint (``--help`` and the errors) lists the one set of spellings,
 :data:`asgi_idempotency.urls.ACCEPTED`.
 
@@ -53,7 +56,8 @@ from typing import Any, TextIO, TypeVar
 
 from . import __version__
 from .errors import SchemaMissing, StoreError
-from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
+from .stores.registry import StoreKind, kind_of
+from .urls import ACCEPTED, ENV_URL, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
@@ -187,13 +191,11 @@ def _iso(value: datetime | None) -> str | None:
 async def _with_store(
     url: str, command_timeout: float, body: Callable[[Any], Awaitable[Exit]]
 ) -> Exit:
-    from .stores.sql import SQLStore
-
-    store = (
-        _redis_store(url, command_timeout)
-        if is_redis(url)
-        else SQLStore(url, command_timeout=command_timeout, pool_size=1)
-    )
+    kind = kind_of(url)
+    try:
+        store = kind.build(url, command_timeout=command_timeout, **kind.cli_options)
+    except (ImportError, ValueError) as exc:  # its extra is missing, or it refused the URL
+        raise CLIError(Exit.USAGE, str(exc)) from None
     try:
         return await body(store)
     except StoreError as exc:
@@ -202,36 +204,25 @@ async def _with_store(
         await store.close()
 
 
-def _redis_store(url: str, command_timeout: float) -> Any:
-    try:
-        from .stores.redis import RedisStore
-    except ImportError as exc:
-        raise CLIError(Exit.USAGE, str(exc)) from None
-    try:
-        return RedisStore(url, command_timeout=command_timeout)
-    except ValueError as exc:
-        raise CLIError(Exit.USAGE, str(exc)) from None
+def _nothing_to(command: str, capability: str, kind: StoreKind) -> str:
+    """What ``command`` says on a kind of store that lacks ``capability``, exiting 0."""
+    return f"nothing to {command}: {kind.why_not(capability)}"
 
 
 #: What ``prune`` says on Redis, where there is nothing for it to do.
-REDIS_PRUNE = (
-    "nothing to prune: Redis expires each record itself when its retention ends "
-    "(the key's TTL), so a Redis store needs no prune job"
-)
-
+REDIS_PRUNE = _nothing_to("prune", "prune", kind_of("redis://"))
 
 #: What ``migrate`` says on Redis, where there is nothing for it to do.
-REDIS_MIGRATE = (
-    "nothing to migrate: Redis needs no schema (each record is one key, written as it is claimed)"
-)
+REDIS_MIGRATE = _nothing_to("migrate", "migrations", kind_of("redis://"))
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
-    if is_redis(url):
+    kind = kind_of(url)
+    if not kind.capabilities.migrations:
         # Success, like prune on Redis: a deploy step that runs migrate on every
         # deploy keeps working when the store moves to Redis.
-        print(REDIS_MIGRATE, file=out)
+        print(_nothing_to("migrate", "migrations", kind), file=out)
         return Exit.OK
     try:
         from .migrations import SchemaConflict, UnknownRevision, upgrade
@@ -255,11 +246,13 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
     from .retention import count_expired, prune_all
 
     url = _require_url(args)
-    if is_redis(url):
+    kind = kind_of(url)
+    if not kind.capabilities.prune:
+        note = _nothing_to("prune", "prune", kind)
         if args.json:
-            print(json.dumps({"pruned": 0, "dry_run": args.dry_run, "note": REDIS_PRUNE}), file=out)
+            print(json.dumps({"pruned": 0, "dry_run": args.dry_run, "note": note}), file=out)
         elif not args.quiet:
-            print(REDIS_PRUNE, file=out)
+            print(note, file=out)
         return Exit.OK
     err: TextIO = sys.stderr
     show_progress = not args.json and not args.quiet and err.isatty()
@@ -479,10 +472,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
 
 def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
     from .retention import table_stats
+    from .stores.base import capabilities
 
     url = _require_url(args)
 
     async def body(store: Any) -> Exit:
+        if not capabilities(store).stats:
+            why = kind_of(url).why_not("stats")
+            raise CLIError(Exit.USAGE, f"stats: this store cannot count its records ({why})")
         stats = await table_stats(store)
         if args.json:
             payload = {
@@ -532,8 +529,10 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
     url = None
     if args.database_url:
         url = _require_url(args, existing=False)
-        if is_redis(url):
-            raise CLIError(Exit.USAGE, "the demo runs on Postgres or SQLite, not Redis")
+        kind = kind_of(url)
+        if not kind.capabilities.migrations:
+            # It writes its refunds in a table of its own beside the records.
+            raise CLIError(Exit.USAGE, f"the demo runs on Postgres or SQLite, not {kind.name}")
     code = _demo_database(url, lambda: run_demo(url))
     return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
 
@@ -671,10 +670,8 @@ def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
-    if is_redis(url):
-        return url  # RedisStore reads it as given
     try:
-        url = normalize_url(url)
+        url = kind_of(url).url(url)  # as its store reads it (SQL: with its async driver)
     except ValueError as exc:
         raise CLIError(Exit.USAGE, str(exc)) from None
     path = sqlite_path(url)

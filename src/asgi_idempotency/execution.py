@@ -22,6 +22,7 @@ from .lifecycle import Claim, ClaimOutcome
 from .observer import Observer
 from .policy import Policy
 from .stores.base import NewClaim, Store, StoredResponse
+from .waiting import POLL_MAX, Waiters
 
 __all__ = ["Execution", "Executor"]
 
@@ -38,6 +39,7 @@ class Execution(NamedTuple):
     route: str  # a route template, or a function's namespace: logs and metrics
     policy: Policy
     renewal: Renewal | None  # None in a transaction (its claim rolls back with it)
+    wait: timedelta | None  # duplicates may wait for it: they hear when it ends
 
     @property
     def owned(self) -> bool:
@@ -48,7 +50,7 @@ class Executor:
     """What every execution of one guard shares: the store, the clock and the settings."""
 
     __slots__ = ("background", "clock", "fail_open", "observer", "renewals", "retry_after",
-                 "store")  # fmt: skip
+                 "store", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -64,6 +66,9 @@ class Executor:
         # Completions, releases and transaction closes that outlive a cancelled caller.
         self.background: set[asyncio.Task[Any]] = set()
         self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
+        # Duplicates waiting for a running first (Policy(wait=...), Once(wait=...)), and
+        # the keys this process's own executions hold for them.
+        self.waiters = Waiters(store.get, poll_max=min(POLL_MAX, retry_after))
 
     async def claim(
         self,
@@ -75,18 +80,68 @@ class Executor:
         *,
         span: Any = None,
         transaction: bool = False,
+        wait: timedelta | None = None,
     ) -> Execution:
         """Claim ``key`` (:func:`.lifecycle.claim`); an owned claim's lease is renewed
         from now until :meth:`complete`, :meth:`release` or :meth:`abandon`.
 
         ``claimant`` is the store, or (``transaction``) a transaction of it, whose claim
         needs no orphan release and no renewal: it rolls back with the transaction.
+        With ``wait``, a key in progress is waited for up to that long (:mod:`.waiting`):
+        the execution is then its answer, or a claim of the key found free.
 
         Raises:
             StoreError: the store failed; nothing is claimed.
         """
         now = self.clock()
         token = os.urandom(16).hex()  # the fencing token: 128 random bits
+        claim = await self._claim_as(claimant, key, fingerprint, token, route, policy,
+                                     transaction, span, now)  # fmt: skip
+        if wait is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
+            # The waiter's claim, if it comes to one, is fenced by the same token.
+            again = functools.partial(self._claim_as, self.store, key, fingerprint, token,
+                                      route, policy, False, span)  # fmt: skip
+            began = now
+            claim = await self.waiters.wait(
+                key, fingerprint, claim, wait.total_seconds(), self.clock, again
+            )
+            now = self.clock()
+            self.observer.log(
+                logging.INFO, "idempotency.waited", route, key, outcome=claim.outcome.value,
+                waited_s=round((now - began).total_seconds(), 3),
+            )  # fmt: skip
+            if span is not None:
+                tracing.annotate(span, waited=True)
+        if not claim.owned:
+            return Execution(claim, now, key, "", route, policy, None, None)
+        if claim.outcome is ClaimOutcome.TAKEN_OVER:
+            self.observer.log(logging.WARNING, "idempotency.takeover", route, key,
+                              outcome="taken_over")  # fmt: skip
+            if span is not None:
+                tracing.annotate(span, taken_over=True)
+            self.observer.takeover(route)
+        if transaction:
+            return Execution(claim, now, key, token, route, policy, None, None)
+        renewal = self.renewals.start(key, token, policy.lease, policy.renew_every, route)
+        if wait is not None:
+            self.waiters.hold(key)  # duplicates here wait to hear of its end, not the store
+        return Execution(claim, now, key, token, route, policy, renewal, wait)
+
+    async def _claim_as(
+        self,
+        claimant: lifecycle.Claimant,
+        key: str,
+        fingerprint: str,
+        token: str,
+        route: str,
+        policy: Policy,
+        transaction: bool,
+        span: Any,
+        now: datetime | None = None,
+    ) -> Claim:
+        """One claim of ``key`` for ``token``: a round trip (two to take over)."""
+        if now is None:
+            now = self.clock()
         claiming = lifecycle.claim(
             claimant,
             key,
@@ -99,24 +154,9 @@ class Executor:
             orphaned=None if transaction else functools.partial(self.orphaned, route),
         )
         if span is None and not self.observer.timing:
-            claim = await claiming  # the common case: no span, no timing, no context
-        else:
-            with self.observer.store_call("claim", span):
-                claim = await claiming
-        if not claim.owned:
-            return Execution(claim, now, key, "", route, policy, None)
-        if claim.outcome is ClaimOutcome.TAKEN_OVER:
-            self.observer.log(logging.WARNING, "idempotency.takeover", route, key,
-                              outcome="taken_over")  # fmt: skip
-            if span is not None:
-                tracing.annotate(span, taken_over=True)
-            self.observer.takeover(route)
-        renewal = (
-            None
-            if transaction
-            else self.renewals.start(key, token, policy.lease, policy.renew_every, route)
-        )
-        return Execution(claim, now, key, token, route, policy, renewal)
+            return await claiming  # the common case: no span, no timing, no context
+        with self.observer.store_call("claim", span):
+            return await claiming
 
     def in_progress_wait(self, execution: Execution) -> float:
         """Seconds until a claim held by another is worth asking about again."""
@@ -126,6 +166,12 @@ class Executor:
         """Stop renewing the claim's lease (idempotent)."""
         if execution.renewal is not None:
             execution.renewal.stop(execution.token)
+
+    def settled(self, execution: Execution) -> None:
+        """The claim ended here (completed, released, or left to lapse): duplicates of
+        this process that wait for it read the key now (idempotent)."""
+        if execution.wait is not None:
+            self.waiters.settled(execution.key)
 
     async def complete(
         self, execution: Execution, stored: StoredResponse, *, span: Any = None
@@ -148,6 +194,7 @@ class Executor:
                 with self.observer.store_call("complete", span):
                     owned = await completing
         except asyncio.CancelledError:
+            self.settled(execution)
             # A partial, built only now: a lambda would give this function cells
             # that every request pays for.
             again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
@@ -160,7 +207,9 @@ class Executor:
                 key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
                 route=route,
             )  # fmt: skip
+            self.settled(execution)
             return
+        self.settled(execution)
         if not owned:
             self.observer.log(logging.ERROR, "idempotency.claim_lost", execution.route, key,
                               phase="complete")  # fmt: skip
@@ -183,6 +232,8 @@ class Executor:
             raise
         except StoreError as exc:
             self.observer.store_error(execution.route, key, "release", exc)
+        finally:
+            self.settled(execution)
 
     def release_later(self, execution: Execution) -> None:
         """Release, in the background, a claim for which nothing ran (its caller was
@@ -190,11 +241,13 @@ class Executor:
         self.stop(execution)
         again = functools.partial(self.store.release, execution.key, execution.token)
         self.rerun(again, execution.route, execution.key, "release")
+        self.settled(execution)
 
     def abandon(self, execution: Execution) -> None:
         """The caller was cancelled part-way: the effect may or may not have happened.
         The claim stays in progress until its lease ends rather than inviting a rerun."""
         self.stop(execution)
+        self.settled(execution)
         self.observer.log(logging.WARNING, "idempotency.cancelled", execution.route, execution.key)
 
     def orphaned(self, route: str, new: NewClaim) -> None:

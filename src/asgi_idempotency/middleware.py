@@ -403,9 +403,7 @@ class IdempotencyMiddleware:
             await self._answer(refusal, guard, scope, receive, send)
             return None
         try:
-            raw_key, content_type, declared_length, hosts, _credential = guard_headers(
-                scope["headers"]
-            )
+            raw_key, content_type, declared_length, hosts = guard_headers(scope["headers"])
             if raw_key is None and policy.key_from is None:
                 if policy.required:
                     raise MissingKey(_MISSING_KEY_DETAIL)

@@ -10,7 +10,8 @@ the lease's life), release and orphans are the core's, and behave as for a reque
            │                          └─ raised:   the key is released, the error re-raised
            ├─ COMPLETED ─► the stored result, decoded (the function does not run)
            ├─ MISMATCH ──► KeyReused
-           └─ IN_PROGRESS ─► InProgress(retry_after), or poll until ``wait`` runs out
+           └─ IN_PROGRESS ─► InProgress(retry_after), or wait up to ``wait`` for the
+                             holder's result (:mod:`.waiting`, as ``Policy(wait=...)``)
 
 The record's request hash is a fingerprint of the call: SHA-256 of the canonical JSON
 of the function's qualified name and its bound arguments, defaults applied. The result
@@ -174,10 +175,17 @@ class Once:
             silence, not the function's run time. Both validated as :class:`.Policy`'s.
         namespace: scopes the keys; default, per function, its module and qualified name.
             Two functions given one namespace and one key raise :class:`KeyReused`.
-        wait: how long a call polls a key another holder is running before it raises
-            :class:`InProgress` (default ``None``: raise at once).
+        wait: how long a call waits for the result of a key another holder is running
+            before it raises :class:`InProgress` (default ``None``: raise at once).
+            Unlike ``Policy(wait=...)`` it may exceed the lease (to wait out a dead
+            holder and take its key over). As ``Policy(wait=...)``: a holder in this
+            process tells its waiters when it ends, one held elsewhere is read with
+            backoff, once per key however many calls wait; if the holder raises (its
+            key released), one waiting call runs the function and the others wait for
+            its result.
         retry_after: seconds :class:`InProgress` suggests, capped by the holder's lease,
-            and between polls (default 1.0, as the middleware's).
+            and the longest pause between two reads of a key held elsewhere while
+            waiting (default 1.0, as the middleware's; reads pause 0.5 s at most).
         codec: ``dumps``/``loads`` between a result and bytes (default orjson: JSON
             values). Every call returns the result after a trip through the codec,
             the first included, so a result it does not round-trip shows at once.
@@ -406,37 +414,32 @@ class Once:
 
     async def _claim(self, call: _Call, span: Any = None) -> bytes | Execution:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if call.wait is None else loop.time() + call.wait.total_seconds()
-        while True:
-            execution = await self._core.claim(
-                self.store, call.key, call.fingerprint, call.namespace, self._policy, span=span
+        execution = await self._core.claim(
+            self.store, call.key, call.fingerprint, call.namespace, self._policy, span=span,
+            wait=call.wait,
+        )  # fmt: skip
+        if execution.owned:
+            return execution
+        record = execution.claim.record
+        outcome = execution.claim.outcome
+        if outcome is ClaimOutcome.COMPLETED:
+            assert record is not None
+            assert record.response is not None
+            # The middleware's replay event, without its status: a result has none.
+            self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
+            return record.response.body
+        if outcome is ClaimOutcome.MISMATCH:
+            self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
+            raise KeyReused(
+                f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
+                "with other arguments or another function; use a new key for a new call"
             )
-            if execution.owned:
-                return execution
-            record = execution.claim.record
-            outcome = execution.claim.outcome
-            if outcome is ClaimOutcome.COMPLETED:
-                assert record is not None
-                assert record.response is not None
-                # The middleware's replay event, without its status: a result has none.
-                self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
-                return record.response.body
-            if outcome is ClaimOutcome.MISMATCH:
-                self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
-                raise KeyReused(
-                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
-                    "with other arguments or another function; use a new key for a new call"
-                )
-            wait = self._core.in_progress_wait(execution)
-            left = None if deadline is None else deadline - loop.time()
-            if left is None or left <= 0:
-                raise InProgress(
-                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
-                    f"by a running call; retry in {wait:.3g} s",
-                    retry_after=wait,
-                )
-            await asyncio.sleep(max(0.0, min(wait, left)))
+        wait = self._core.in_progress_wait(execution)
+        raise InProgress(
+            f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
+            f"by a running call; retry in {wait:.3g} s",
+            retry_after=wait,
+        )
 
     async def _finish(self, call: _Call, owned: Execution, result: Any, span: Any = None) -> Any:
         """Complete the key with ``result``; return it as a replay would (via the codec)."""
@@ -546,4 +549,7 @@ def _namespace(namespace: object) -> str:
 
 
 def _wait(wait: timedelta | None) -> timedelta | None:
+    # Not bounded by the lease, unlike Policy(wait=...): no client connection is held
+    # open meanwhile, and a redelivery may well wait out a dead holder's lease to take
+    # its key over.
     return None if wait is None else _duration("wait", wait)

@@ -136,13 +136,28 @@ class Policy:
             transactional route in a transaction whenever the store opens one, its
             writes committing alone when the record is another request's); only a
             webhook delivery whose signature fails is refused (400) in every mode.
+        wait: how long a duplicate that arrives while the first request with its key
+            still runs waits for the first's answer (default ``None``: 409 at once).
+            It then gets the first's stored response, replayed byte for byte with
+            ``Idempotent-Replayed: true``; if the first is released meanwhile (a 5xx,
+            an exception), one waiter claims the key and runs the handler and the
+            others wait for its answer; past ``wait``, 409 + ``Retry-After`` as
+            without it. No store connection is held while waiting: a key held by a
+            request of the same process is read once, when that request ends; one
+            held elsewhere is read with backoff (10 ms doubling to 0.5 s, or
+            ``retry_after`` if smaller), once per process and key however many wait.
+            At most ``lease``. Not with ``transactional`` (a running first holds an
+            open transaction, invisible to a reader). Ignored in ``mode="report"``.
 
     Raises:
-        TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);
-            ``fingerprint_exclude`` is a single string rather than a collection of them.
-        ValueError: ``ttl`` or ``lease`` is not positive; a ``lease`` given explicitly
-            exceeds ``ttl``; ``max_body_bytes`` is negative; a ``fingerprint_exclude``
-            pointer does not start with ``/`` or has a ``~`` not followed by 0 or 1.
+        TypeError: ``ttl``, ``lease`` or ``wait`` is not a ``timedelta`` (a number, a
+            bool, None for the first two); ``fingerprint_exclude`` is a single string
+            rather than a collection of them.
+        ValueError: ``ttl``, ``lease`` or ``wait`` is not positive; a ``lease`` given
+            explicitly exceeds ``ttl``; ``wait`` exceeds ``lease``, or is given with
+            ``transactional``; ``max_body_bytes`` is negative; a
+            ``fingerprint_exclude`` pointer does not start with ``/`` or has a ``~``
+            not followed by 0 or 1.
     """
 
     enabled: bool = True
@@ -155,6 +170,7 @@ class Policy:
     fingerprint_exclude: tuple[str, ...] = ()
     mode: Literal["enforce", "report"] = "enforce"
     key_from: DeliveryKey | None = None
+    wait: timedelta | None = None
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     _renew_every: float = field(init=False, repr=False, compare=False)
 
@@ -170,6 +186,20 @@ class Policy:
                 # more than the row keeps. Refuse rather than shorten what was asked.
                 raise ValueError(
                     f"lease ({lease}) exceeds ttl ({ttl}): pass lease <= ttl, or a longer ttl"
+                )
+        if self.wait is not None:
+            wait = _duration("wait", self.wait)
+            if wait > lease:
+                # A first request is renewed while it runs, so a longer wait would hold
+                # duplicates (and their clients' connections) past the bound the lease
+                # sets on a dead holder's silence. Refused rather than shortened.
+                raise ValueError(
+                    f"wait ({wait}) exceeds lease ({lease}): pass wait <= lease, or a longer lease"
+                )
+            if self.transactional:
+                raise ValueError(
+                    "wait is not available with transactional=True: a running first "
+                    "request's claim is an open transaction that no reader can see"
                 )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
@@ -218,6 +248,7 @@ def idempotent(
     fingerprint_exclude: Iterable[str] = (),
     mode: Literal["enforce", "report"] = "enforce",
     key_from: DeliveryKey | None = None,
+    wait: timedelta | None = None,
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
@@ -238,6 +269,7 @@ def idempotent(
         fingerprint_exclude=tuple(fingerprint_exclude),
         mode=mode,
         key_from=key_from,
+        wait=wait,
     )
 
     def mark(func: F) -> F:

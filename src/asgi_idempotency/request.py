@@ -11,7 +11,6 @@ import re
 from .asgi import Headers, Message, Receive
 from .errors import BodyTooLarge, InvalidHost, InvalidKey
 from .keys import HEADER
-from .principals import CREDENTIAL_HEADERS
 
 __all__ = [
     "HostHeaders",
@@ -39,18 +38,16 @@ def _twice(name: str) -> InvalidHost:
 
 def guard_headers(
     headers: Headers,
-) -> tuple[bytes | None, bytes | None, bytes | None, HostHeaders, bytes | None]:
-    """The raw ``Idempotency-Key``, ``Content-Type``, ``Content-Length``, the headers
-    that name the request's host (:data:`HostHeaders`, for :func:`host_scope`), and the
-    name of a header that carries credentials (or ``None``: see
-    :data:`~.principals.CREDENTIAL_HEADERS`), in one pass.
+) -> tuple[bytes | None, bytes | None, bytes | None, HostHeaders]:
+    """The raw ``Idempotency-Key``, ``Content-Type``, ``Content-Length`` and the headers
+    that name the request's host (:data:`HostHeaders`, for :func:`host_scope`), in one pass.
 
     Raises:
         InvalidKey: the key header was sent more than once (which key was meant is unknowable).
         InvalidHost: ``Host`` or ``X-Forwarded-Host`` was sent more than once: servers
             pass both on, the app reads one of them and the guard cannot know which.
     """
-    key = content_type = content_length = credential = None
+    key = content_type = content_length = None
     host = forwarded_host = forwarded = None
     for name, value in headers:
         name = name.lower()
@@ -75,9 +72,7 @@ def guard_headers(
             forwarded_host = value
         elif name == b"forwarded":
             forwarded = value if forwarded is None else forwarded + b", " + value
-        elif name in CREDENTIAL_HEADERS:
-            credential = name
-    return key, content_type, content_length, (host or b"", forwarded_host, forwarded), credential
+    return key, content_type, content_length, (host or b"", forwarded_host, forwarded)
 
 
 def host_scope(

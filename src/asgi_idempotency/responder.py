@@ -174,6 +174,9 @@ class Responder:
             # The scope holds this responder and it the scope: a cycle only the
             # collector would free, paid for by every request's p99.
             scope.pop(GUARD_SCOPE_KEY, None)
+            if self.execution is not None:
+                # However the claim ended (a no-op once it was completed or released).
+                self.rt.settled(self.execution)
 
     async def _run(self) -> None:
         if self.req.principal is None:
@@ -285,6 +288,8 @@ class Responder:
             execution = await rt.claim(
                 claimant, req.key, req.fingerprint, req.route, policy, span=span,
                 transaction=self.tx is not None,
+                # Report-only mode answers what it finds at once, as without the guard.
+                wait=None if policy.mode == "report" else policy.wait,
             )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")

@@ -116,6 +116,8 @@ from asgi_idempotency.principals import (
     from_user,
 )
 from asgi_idempotency.stores.base import Busy
+from asgi_idempotency.stores.registry import StoreKind, kind_of, open_store, register
+from asgi_idempotency.testing import StoreContract
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -274,6 +276,22 @@ async def records(store: Store) -> None:
     await store.prune(NOW)  # type: ignore[call-arg]  # now by keyword
     StoredResponse(201, [], b"")  # type: ignore[arg-type]  # headers are a tuple of pairs
     await store.close()
+
+
+def memory_store(url: str, **options: object) -> Store:
+    return MemoryStore()
+
+
+def registry() -> Store:
+    kind = register(StoreKind("mine", ("mine",), memory_store, Capabilities(prune=False)))
+    assert_type(kind.capabilities.migrations, bool)
+    assert_type(kind_of("mine://").why_not("prune"), str)
+    StoreKind("mine", "mine", memory_store)  # type: ignore[arg-type]  # schemes are a tuple
+    return open_store("mine://", command_timeout=2.0)
+
+
+class ContractOnMemory(StoreContract):
+    transactional = False
 
 
 async def transaction(store: TransactionalStore, new: NewClaim, done: StoredResponse) -> None:

@@ -36,7 +36,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -52,6 +52,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise missing_extra(__name__, "mcp", "mcp") from exc
 
+# The wire names are the caller's half's: one definition for both ends.
+from ..client.mcp import ERROR_META, META_KEY, RETRY_AFTER_META
 from ..errors import InProgress, KeyReused, StoreError
 from ..keys import MAX_KEY_LENGTH
 from ..metrics import Outcome
@@ -65,15 +67,6 @@ __all__ = [
     "ToolGuard",
     "from_access_token",
 ]
-
-#: Where a ``tools/call`` request carries its idempotency key: ``params._meta[META_KEY]``.
-#: A prefixed ``_meta`` name, as MCP reserves unprefixed and ``modelcontextprotocol``
-#: names for itself. The client half spells it too (it imports no server module).
-META_KEY: Final = "io.asgi-idempotency/key"
-#: In the ``_meta`` of a result the guard answered itself: why it did not run the tool.
-ERROR_META: Final = "io.asgi-idempotency/error"
-#: With ``in_progress`` and ``store_unavailable``: seconds after which a retry may succeed.
-RETRY_AFTER_META: Final = "io.asgi-idempotency/retry-after"
 
 # The context parameter added to a tool that declares none (MCPServer fills it by type).
 _CONTEXT = "idempotency_context"

@@ -118,10 +118,17 @@ class Capabilities(NamedTuple):
     transactions: bool = False
     # Sends operations that arrive while one is in flight together (this instance).
     batching: bool = False
-    # ``buckets`` and ``count_expired`` answer (``asgi-idempotency stats``, the gauges).
+    # ``buckets`` and ``count_expired`` answer: ``asgi-idempotency stats`` refuses a
+    # store without them (exit 2, saying so).
     stats: bool = True
-    # ``prune`` deletes expired records (the CLI, the pruner).
+    # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
+    # CLI's ``prune``, :class:`~asgi_idempotency.retention.Pruner`). False: the store
+    # deletes them itself when their retention ends (Redis: the key's TTL), and
+    # ``asgi-idempotency prune`` says there is nothing to prune.
     prune: bool = True
+    # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
+    # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
+    migrations: bool = False
 
 
 def capabilities(store: object) -> Capabilities:

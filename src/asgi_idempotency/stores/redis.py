@@ -423,7 +423,7 @@ class RedisStore:
         self._batchers: dict[str, Batcher[_Op, Any]] = {}
         # No transactions (a handler's writes cannot join a Lua script); stats and
         # prune by SCAN over every primary.
-        self.capabilities = Capabilities(transactions=False, batching=self.batching)
+        self.capabilities = Capabilities(transactions=False, batching=self.batching, prune=False)
         self._prefix = f"{key_prefix}:{{"
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas

@@ -128,7 +128,7 @@ class SQLStore:
             raise ValueError(f"SQLStore does not batch on {spec.label} yet: pass batching=False")
         self.batching: bool = spec.batching if batching is None else batching
         self.capabilities = Capabilities(
-            transactions=spec.transaction is not None, batching=self.batching
+            transactions=spec.transaction is not None, batching=self.batching, migrations=True
         )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._command_timeout = command_timeout

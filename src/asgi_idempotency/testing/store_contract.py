@@ -1,18 +1,106 @@
-"""One contract, every store: memory, SQLite and Postgres answer the same."""
+"""The store contract: the pytest tests every store passes, ours and anyone's.
+
+Subclass :class:`StoreContract` in a test module, under a name pytest collects
+(``Test…``), and override its ``store`` fixture to yield an *empty* store (the tests
+use fixed keys); pytest runs every contract test on it, on asyncio through anyio's
+pytest plugin::
+
+    class TestMyStore(StoreContract):
+        @pytest.fixture
+        async def store(self) -> AsyncIterator[Store]:
+            opened = MyStore(...)
+            yield opened
+            await opened.close()
+
+What it pins: one owner per key (concurrent claims and take-overs have one winner);
+``complete``, ``release`` and ``renew`` fenced by the claim's token; completing a
+completed row answers False; ``replace`` a compare-and-swap on the row as read; renewal
+moves the lease and never lets retention end before it; an ``insert`` meeting its own
+token never answers another owner's row; expiry and ``prune``; the regenerated-key
+detector working through the store's ``insert``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse, lifecycle
-from asgi_idempotency.stores.base import NewClaim, Store
-from tests.conftest import Claimant
+from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.regenerated import RegeneratedKeys
+from asgi_idempotency.stores.base import (
+    BUSY,
+    NewClaim,
+    Store,
+    StoreTransaction,
+    TransactionalStore,
+)
 
-pytestmark = pytest.mark.anyio
+__all__ = ["Claimant", "StoreContract"]
+
+
+class Claimant:
+    """Claims made as the middleware makes them: on the store, or in a transaction of it.
+
+    In the transactional mode an owned claim keeps its transaction (and the key's
+    lock) open until :meth:`complete` commits it or :meth:`release` rolls it back.
+    """
+
+    def __init__(self, store: Store, *, transactional: bool) -> None:
+        self.store = store
+        self.transactional = transactional
+        self._held: dict[str, tuple[AsyncExitStack, StoreTransaction]] = {}
+
+    async def claim(
+        self, key: str, request_hash: str, token: str, *, now: datetime,
+        locked_until: datetime, expires_at: datetime,
+    ) -> Claim:  # fmt: skip
+        times: dict[str, Any] = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
+        if not self.transactional:
+            return await lifecycle.claim(self.store, key, request_hash, token, **times)
+        assert isinstance(self.store, TransactionalStore)
+        stack = AsyncExitStack()
+        tx = await stack.enter_async_context(self.store.transaction())
+        try:
+            claim = await lifecycle.claim(tx, key, request_hash, token, **times)
+        except BaseException:
+            await stack.aclose()
+            raise
+        if claim.owned:
+            self._held[token] = (stack, tx)
+        else:
+            await stack.aclose()
+        return claim
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> bool:
+        if not self.transactional:
+            return await self.store.complete(key, token, response, expires_at=expires_at)
+        stack, tx = self._held.pop(token)
+        async with stack:
+            await tx.commit(key, token, response, expires_at=expires_at)
+        return True
+
+    async def release(self, key: str, token: str) -> bool:
+        if not self.transactional:
+            return await self.store.release(key, token)
+        stack, _ = self._held.pop(token)
+        await stack.aclose()  # leaving without commit rolls the claim back
+        return True
+
+    async def close(self) -> None:
+        for stack, _ in self._held.values():
+            await stack.aclose()
+        self._held.clear()
+
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -375,3 +463,110 @@ async def test_a_claim_is_never_written_to_expire_within_its_lease(store: Store)
     assert record.expires_at == record.locked_until == T0 + LEASE
     assert await store.prune(now=T0 + LEASE * 3 / 4) == 0
     assert (await claim(store, key=KEY, now=T0 + LEASE * 3 / 4)).outcome is ClaimOutcome.IN_PROGRESS
+
+
+# Records written with one token by one call: a store that retries an insert whose
+# answer it lost (a dropped connection, a batch sent again) meets its own row.
+
+
+async def test_an_insert_meeting_its_own_token_never_answers_another_owner(store: Store) -> None:
+    new = NewClaim(KEY, "h1", tok(), T0, T0 + LEASE, T0 + TTL)
+    assert await store.insert(new) is None
+    again = await store.insert(new)
+    # Inserted (the store recognised its first attempt), or the very row it wrote.
+    assert again is not BUSY
+    assert again is None or (again.token, again.request_hash) == (new.token, "h1"), again
+    other = NewClaim(KEY, "h1", tok(), T0, T0 + LEASE, T0 + TTL)
+    found = await store.insert(other)
+    assert found is not None
+    assert found is not BUSY
+    assert found.token == new.token
+
+
+# The regenerated-key detector writes its markers through the store's own insert: it
+# must see, on every store, the same request sent under another key.
+
+
+async def test_the_regenerated_key_detector_flags_a_request_under_another_key(
+    store: Store,
+) -> None:
+    detector = RegeneratedKeys(timedelta(seconds=60))
+    caller: dict[str, Any] = {"host": "shop.example", "principal": "u1", "fingerprint": "f" * 64}
+    first, second, third = "1" * 64, "2" * 64, "3" * 64
+    assert await detector.check(store, key=first, now=T0, **caller) is None
+    # The same key again (a retry done right): nothing to say.
+    assert await detector.check(store, key=first, now=T0 + timedelta(seconds=1), **caller) is None
+    at = T0 + timedelta(seconds=2)
+    assert await detector.check(store, key=second, now=at, **caller) == first
+    assert await detector.check(store, key=third, now=at, **caller) == first
+    # Another caller, or another request, is never flagged.
+    other = {**caller, "principal": "u2"}
+    assert await detector.check(store, key=second, now=at, **other) is None
+    # Past the window a sighting starts a new one, which flags the next key.
+    later = T0 + timedelta(seconds=61)
+    assert await detector.check(store, key=second, now=later, **caller) is None
+    assert await detector.check(store, key=third, now=later, **caller) == second
+
+
+class StoreContract:
+    """The store contract as pytest tests: subclass it and override ``store``.
+
+    Every ``test_*`` function of this module is a test of the class; pytest collects
+    them on a subclass whose name starts with ``Test``. Fixtures:
+
+    - ``store`` (override it): an empty store, closed afterwards;
+    - ``claimant``: claims as the middleware makes them, on ``store`` (or, with
+      ``transactional = True``, in a transaction of it);
+    - ``anyio_backend``: ``"asyncio"``.
+    """
+
+    pytestmark = pytest.mark.anyio
+
+    #: Claim in transactions of the store (a :class:`TransactionalStore`).
+    transactional = False
+
+    @pytest.fixture
+    def anyio_backend(self) -> str:
+        return "asyncio"
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise pytest.UsageError(  # pragma: no cover - a user's first run without the fixture
+            f"{type(self).__name__} runs the store contract: override its `store` fixture "
+            "to yield an empty store of yours (see asgi_idempotency.testing.StoreContract)"
+        )
+
+    @pytest.fixture
+    async def claimant(self, store: Store) -> AsyncIterator[Claimant]:
+        claims = Claimant(store, transactional=self.transactional)
+        try:
+            yield claims
+        finally:
+            await claims.close()
+
+
+def _method(test: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """``test`` as a method of the class: the same fixtures (its signature after ``self``)
+    and marks, so pytest and anyio's plugin see a coroutine method like any other."""
+
+    async def method(self: StoreContract, /, **fixtures: Any) -> None:
+        await test(**fixtures)
+
+    signature = inspect.signature(test)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[this, *signature.parameters.values()]
+    )
+    method.__name__ = method.__qualname__ = test.__name__
+    method.__doc__ = test.__doc__
+    if hasattr(test, "pytestmark"):
+        method.pytestmark = test.pytestmark  # type: ignore[attr-defined]
+    return method
+
+
+# Each test of the module as a test of the class: the bodies stay plain functions of
+# their fixtures, as written above.
+for _name, _test in list(globals().items()):
+    if _name.startswith("test_") and inspect.iscoroutinefunction(_test):
+        setattr(StoreContract, _name, _method(_test))
+del _name, _test
