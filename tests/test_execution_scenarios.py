@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import httpx
 import pytest
@@ -49,7 +49,9 @@ HEADERS = {"Idempotency-Key": KEY}
 # never come back, and the call is cancelled there; "record" reports the key's record;
 # "settle" waits until it is no longer in progress, then reports it; "await error"
 # waits for the guard's next store_error log, and reports its phase and whether it
-# names the route (or namespace) the call was made on.
+# names the route (or namespace) the call was made on. A row starting with "wait"
+# guards with a bounded wait for a duplicate in flight (Policy(wait=...), Once(wait=...));
+# "waiting call N" starts a call that waits for the held one, "waited" reports it.
 ROWS: list[tuple[str, list[str], list[str]]] = [
     ("fresh", ["call 1", "record"], ["executed #1", "completed"]),
     ("same key again", ["call 1", "call 1"], ["executed #1", "replayed #1"]),
@@ -73,6 +75,16 @@ ROWS: list[tuple[str, list[str], list[str]]] = [
         "cancelled mid-claim",
         ["hang claim", "call 1", "settle", "call 1"],
         ["cancelled", "free", "executed #1"],
+    ),
+    (
+        "a duplicate waits for its first",
+        ["wait", "hold", "waiting call 1", "let go", "waited"],
+        ["held", "waiting", "executed #1", "replayed #1"],
+    ),
+    (
+        "a duplicate waits, its first raises",
+        ["wait", "fail", "hold", "waiting call 1", "let go", "waited"],
+        ["held", "waiting", "raised", "executed #2"],
     ),
     (
         "cancelled mid-claim, its release refused",
@@ -125,13 +137,13 @@ class Handler:
 
     async def __call__(self, amount: int) -> dict[str, int]:
         self.runs += 1
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("the payment provider failed")
         if self.hold_next:
             self.hold_next = False
             self.entered.set()
             await self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the payment provider failed")
         return {"amount": amount, "run": self.runs}
 
 
@@ -139,8 +151,15 @@ class Handler:
 Call = Callable[[int], Coroutine[Any, Any, str]]
 
 
-def over_http(store: Faults, handler: Handler) -> tuple[Call, str, str]:
-    """The middleware over a tiny Starlette app: (call, record key, route)."""
+class Column(NamedTuple):
+    call: Call
+    key: str  # the record's key in the store
+    route: str  # what logs name: the route template, or the namespace
+    waiting: Callable[[], int]  # duplicates waiting here for a first in flight
+
+
+def over_http(store: Faults, handler: Handler, wait: timedelta | None) -> Column:
+    """The middleware over a tiny Starlette app."""
 
     async def pay(request: Request) -> JSONResponse:
         data = await request.json()
@@ -151,7 +170,7 @@ def over_http(store: Faults, handler: Handler) -> tuple[Call, str, str]:
         middleware=[
             Middleware(
                 IdempotencyMiddleware, store=store, principal=ANONYMOUS,
-                policies={"POST /pay": Policy(lease=LEASE)},
+                policies={"POST /pay": Policy(lease=LEASE, wait=wait)},
             )
         ],
     )  # fmt: skip
@@ -168,12 +187,15 @@ def over_http(store: Faults, handler: Handler) -> tuple[Call, str, str]:
             return f"{'replayed' if replayed else 'executed'} #{got.json()['run']}"
         return {422: "mismatch", 409: "in progress", 500: "raised"}[got.status_code]
 
-    return call, scoped_key("", KEY, HOST), "/pay"
+    def waiting() -> int:
+        return IdempotencyMiddleware.of(app)._runtime.waiters.waiting()
+
+    return Column(call, scoped_key("", KEY, HOST), "/pay", waiting)
 
 
-def over_once(store: Faults, handler: Handler) -> tuple[Call, str, str]:
-    """The function guard: (call, record key, namespace)."""
-    once = Once(store, lease=LEASE, namespace=NAMESPACE)
+def over_once(store: Faults, handler: Handler, wait: timedelta | None) -> Column:
+    """The function guard."""
+    once = Once(store, lease=LEASE, namespace=NAMESPACE, wait=wait)
 
     @once(key=lambda order, amount: order)
     async def pay(order: str, amount: int) -> dict[str, int]:
@@ -192,7 +214,7 @@ def over_once(store: Faults, handler: Handler) -> tuple[Call, str, str]:
         ran = handler.runs > runs
         return f"{'executed' if ran else 'replayed'} #{result['run']}"
 
-    return call, record_key(NAMESPACE, KEY), NAMESPACE
+    return Column(call, record_key(NAMESPACE, KEY), NAMESPACE, once._core.waiters.waiting)
 
 
 async def record_state(store: Store, key: str) -> str:
@@ -203,15 +225,16 @@ async def record_state(store: Store, key: str) -> str:
 
 
 async def play(
-    adapter: Callable[[Faults, Handler], tuple[Call, str, str]],
+    adapter: Callable[[Faults, Handler, timedelta | None], Column],
     store: Store,
     steps: list[str],
     caplog: pytest.LogCaptureFixture,
 ) -> list[str]:
     faults, handler = Faults(store), Handler()
-    call, key, route = adapter(faults, handler)
+    call, key, route, waiting = adapter(faults, handler, LEASE if steps[0] == "wait" else None)
     trace: list[str] = []
     held: asyncio.Task[str] | None = None
+    waiter: asyncio.Task[str] | None = None
     seen = len(caplog.records)
     async with asyncio.timeout(WAIT):
         for step in steps:
@@ -231,6 +254,16 @@ async def play(
                 held = asyncio.create_task(call(1))
                 await handler.entered.wait()
                 trace.append("held")
+            elif step == "wait":
+                pass  # the adapter was built with a bounded wait
+            elif step == "waiting call 1":
+                waiter = asyncio.create_task(call(1))
+                while not waiting():  # noqa: ASYNC110  # polled: joining has no signal
+                    await asyncio.sleep(0.01)
+                trace.append("waiting")
+            elif step == "waited":
+                assert waiter is not None
+                trace.append(await waiter)
             elif step == "let go":
                 assert held is not None
                 handler.gate.set()
