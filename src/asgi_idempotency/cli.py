@@ -1,12 +1,13 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
-Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``, ``check URL``.
+Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``audit``, ``demo``,
+``check URL``.
 The database (all but ``demo`` and ``check``) comes from ``--database-url`` or
 ``IDEMPOTENCY_DATABASE_URL``, through the URL rule the store and alembic share
 (:mod:`asgi_idempotency.urls`): ``postgres://``, ``postgresql://``, ``sqlite://``,
 ``mariadb://`` and ``mysql://`` URLs get their async driver (asyncpg, aiosqlite, asyncmy),
-other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
-also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
+other drivers are refused, and passwords are never printed. ``inspect``, ``stats`` and
+``audit`` also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
 expires records itself and ``migrate`` that Redis needs no schema, both exiting 0.
 Each URL's store comes from the store registry (:mod:`asgi_idempotency.stores.registry`,
@@ -21,7 +22,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 0     success
 1     inspect: no record for that key in the scope searched (host, principal);
       demo: the guarded run did not make exactly one refund; check: a check
-      failed (each failing check is named)
+      failed (each failing check is named); audit: suspected duplicates were
+      found
 2     usage error: bad arguments, a key digest prefix that matches several
       records, missing or malformed database URL, the demo extra not installed;
       migrate: the database is at a revision this version does not know; check:
@@ -50,7 +52,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -68,6 +70,7 @@ _T = TypeVar("_T")
 class Exit(enum.IntEnum):
     OK = 0
     NOT_FOUND = 1
+    FOUND = 1  # audit: suspected duplicates were found (an alias of 1)
     USAGE = 2
     UNREACHABLE = 3
     NO_SCHEMA = 4
@@ -81,7 +84,8 @@ EXIT_MEANINGS: dict[Exit, str] = {
     Exit.NOT_FOUND: (
         "inspect: no record for that key in the scope searched (host, principal); "
         "demo: the guarded run did not make exactly one refund; "
-        "check: a check failed (each failing check is named)"
+        "check: a check failed (each failing check is named); "
+        "audit: suspected duplicates were found"
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
@@ -504,6 +508,100 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
     return asyncio.run(_with_store(url, args.timeout, body))
 
 
+def _duration(text: str) -> timedelta:
+    from .audit import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_audit(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .audit import extra_keys_by_route, suspected_duplicates
+    from .migrations import schema_problem
+    from .stores.base import capabilities
+
+    url = _require_url(args)
+    if args.format == "prometheus":
+        try:
+            from prometheus_client import CollectorRegistry, generate_latest
+
+            from .prometheus import PrometheusMetrics
+        except ImportError as exc:
+            raise CLIError(Exit.USAGE, f"--format prometheus: {exc}") from None
+
+    async def body(store: Any) -> Exit:
+        if capabilities(store).migrations:
+            # Read-only, like stats: a table from before revision 0003 is reported (exit
+            # 4), not upgraded (the app upgrades its own SQLite file at start).
+            with _store_errors(url):
+                async with store.engine.connect() as conn:
+                    problem = await conn.run_sync(schema_problem)
+            if problem is not None:
+                raise CLIError(
+                    Exit.NO_SCHEMA,
+                    f"{problem} in {redact(url)}: run `asgi-idempotency migrate` first",
+                )
+        now = datetime.now(UTC)
+        found = await suspected_duplicates(
+            store, since=args.since, window=args.window, route=args.route, now=now
+        )
+        if args.format == "json":
+            payload = {
+                "now": _iso(now),
+                "since": _iso(now - args.since),
+                "window_s": args.window.total_seconds(),
+                "route": args.route,
+                "suspected": [
+                    {
+                        "route": run.route,
+                        "caller_digest": run.scope_digest,
+                        "request_digest": run.request_hash,
+                        "requests": run.requests,
+                        "keys": run.keys,
+                        "first": _iso(run.first),
+                        "last": _iso(run.last),
+                    }
+                    for run in found
+                ],
+            }
+            print(json.dumps(payload), file=out)
+        elif args.format == "prometheus":
+            registry = CollectorRegistry()
+            PrometheusMetrics(registry).observe_audit(found)
+            out.write(generate_latest(registry).decode())
+        elif not found:
+            print(
+                f"no suspected duplicates since {now - args.since:%Y-%m-%d %H:%M:%S} UTC "
+                f"(window {_fmt_span(args.window.total_seconds())})",
+                file=out,
+            )
+        else:
+            extra = sum(extra_keys_by_route(found).values())
+            print(
+                f"{len(found)} suspected duplicate run{'s' if len(found) != 1 else ''} "
+                f"({extra} request{'s' if extra != 1 else ''} repeated under another key): "
+                "the same caller, route and body under different keys",
+                file=out,
+            )
+            print(
+                f"{'route':<32} {'caller':<16} {'request':<16} {'requests':>8} {'keys':>5}  "
+                f"{'first':<19} last",
+                file=out,
+            )
+            for run in found:
+                print(
+                    f"{run.route:<32} {run.scope_digest[:16]:<16} {run.request_hash[:16]:<16} "
+                    f"{run.requests:>8} {run.keys:>5}  {run.first:%Y-%m-%d %H:%M:%S} "
+                    f"{run.last:%Y-%m-%d %H:%M:%S}",
+                    file=out,
+                )
+        return Exit.FOUND if found else Exit.OK
+
+    return asyncio.run(_with_store(url, args.timeout, body))
+
+
 def _require_demo_extra() -> None:
     """Both demos serve with uvicorn and call with httpx: the ``demo`` extra."""
     for name in ("uvicorn", "httpx"):
@@ -825,6 +923,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser(
+        "audit",
+        parents=[common],
+        help="find likely duplicates keys could not catch (a key minted inside a retry loop)",
+        description=(
+            "Lists runs of requests from one caller (host and principal, as a digest) to "
+            "one route with the same body under different Idempotency-Keys, each within "
+            "--window of the one before, claimed in the last --since: what a client that "
+            "mints its key inside its retry loop leaves behind. Reads the records every "
+            "worker wrote (records not yet expired). Exit code 0 when nothing is found, "
+            "1 when something is, 2 on a usage error, 3 when the store is unreachable, 4 "
+            "when the schema is missing or not migrated."
+        ),
+    )
+    p.add_argument(
+        "--since",
+        type=_duration,
+        default=timedelta(hours=1),
+        help="how far back to look: 30s, 10m, 1h, 2d (default 1h)",
+    )
+    p.add_argument(
+        "--window",
+        type=_duration,
+        default=timedelta(minutes=10),
+        help="the longest gap between two requests of one run (default 10m)",
+    )
+    p.add_argument("--route", metavar="TEMPLATE", help="only this route template, e.g. /refunds")
+    p.add_argument(
+        "--format",
+        choices=("table", "json", "prometheus"),
+        default="table",
+        help="prometheus: the gauge idempotency_audit_suspected_regenerated_keys{route} "
+        "as exposition text (for node_exporter's textfile collector)",
+    )
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser(
         "demo",

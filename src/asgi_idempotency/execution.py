@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from . import lifecycle, tracing
 from .errors import StoreError
+from .keys import MAX_ROUTE_LENGTH
 from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import Claim, ClaimOutcome
 from .observer import Observer
@@ -81,6 +82,7 @@ class Executor:
         span: Any = None,
         transaction: bool = False,
         wait: timedelta | None = None,
+        scope: str | None = None,
     ) -> Execution:
         """Claim ``key`` (:func:`.lifecycle.claim`); an owned claim's lease is renewed
         from now until :meth:`complete`, :meth:`release` or :meth:`abandon`.
@@ -89,6 +91,8 @@ class Executor:
         needs no orphan release and no renewal: it rolls back with the transaction.
         With ``wait``, a key in progress is waited for up to that long (:mod:`.waiting`):
         the execution is then its answer, or a claim of the key found free.
+        ``scope`` (a digest of who the caller is) and ``route`` ride in the claim's own
+        statement for the audit (:mod:`.stores.duplicates`) when ``scope`` is given.
 
         Raises:
             StoreError: the store failed; nothing is claimed.
@@ -96,11 +100,11 @@ class Executor:
         now = self.clock()
         token = os.urandom(16).hex()  # the fencing token: 128 random bits
         claim = await self._claim_as(claimant, key, fingerprint, token, route, policy,
-                                     transaction, span, now)  # fmt: skip
+                                     transaction, scope, span, now)  # fmt: skip
         if wait is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
             # The waiter's claim, if it comes to one, is fenced by the same token.
             again = functools.partial(self._claim_as, self.store, key, fingerprint, token,
-                                      route, policy, False, span)  # fmt: skip
+                                      route, policy, False, scope, span)  # fmt: skip
             began = now
             claim = await self.waiters.wait(
                 key, fingerprint, claim, wait.total_seconds(), self.clock, again
@@ -136,6 +140,7 @@ class Executor:
         route: str,
         policy: Policy,
         transaction: bool,
+        scope: str | None,
         span: Any,
         now: datetime | None = None,
     ) -> Claim:
@@ -152,6 +157,8 @@ class Executor:
             expires_at=now + policy.ttl,
             # A transaction's claim rolls back with it; the store's stays unless released.
             orphaned=None if transaction else functools.partial(self.orphaned, route),
+            scope_digest=scope,
+            route=None if scope is None else route[:MAX_ROUTE_LENGTH],
         )
         if span is None and not self.observer.timing:
             return await claiming  # the common case: no span, no timing, no context

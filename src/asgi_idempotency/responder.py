@@ -52,7 +52,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .execution import Execution, Executor
-from .keys import scoped_key
+from .keys import scope_digest, scoped_key
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
@@ -290,6 +290,8 @@ class Responder:
                 transaction=self.tx is not None,
                 # Report-only mode answers what it finds at once, as without the guard.
                 wait=None if policy.mode == "report" else policy.wait,
+                # For the audit, on every guarded request: digests and the template only.
+                scope=scope_digest(req.principal or "", req.host),
             )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")

@@ -32,6 +32,7 @@ from asgi_idempotency import (
     BUSY,
     AppNotStarted,
     AttemptsUnknown,
+    AuditableStore,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -76,6 +77,7 @@ from asgi_idempotency import (
     StoreError,
     StoreTransaction,
     StoreUnavailable,
+    SuspectedDuplicate,
     TransactionalStore,
     __version__,
     canonical_json,
@@ -274,6 +276,14 @@ async def records(store: Store) -> None:
     assert_type(await store.count_expired(now=NOW), int)
     assert_type(await store.prune(now=NOW, batch_size=500), int)
     await store.prune(NOW)  # type: ignore[call-arg]  # now by keyword
+    audited: AuditableStore = MemoryStore()
+    assert_type(MemoryStore.capabilities.audit, bool)
+    found = await audited.suspected_duplicates(since=NOW, window=timedelta(minutes=10))
+    assert_type(found, list[SuspectedDuplicate])
+    assert_type(found[0].keys, int)
+    await audited.suspected_duplicates(NOW, timedelta(1))  # type: ignore[call-arg]  # by keyword
+    scoped = NewClaim("k" * 64, "h", "t", NOW, NOW, NOW, scope_digest="s" * 64, route="/x")
+    assert_type(scoped.scope_digest, str | None)
     StoredResponse(201, [], b"")  # type: ignore[arg-type]  # headers are a tuple of pairs
     await store.close()
 

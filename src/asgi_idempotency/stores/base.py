@@ -12,12 +12,14 @@ import enum
 import functools
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import StoreError
+from .duplicates import SuspectedDuplicate
 
 __all__ = [
+    "AuditableStore",
     "Bucket",
     "Capabilities",
     "NewClaim",
@@ -90,6 +92,11 @@ class NewClaim(NamedTuple):
     now: datetime  # becomes created_at
     locked_until: datetime
     expires_at: datetime
+    # What the audit groups by (:mod:`.duplicates`), written with the claim at no extra
+    # round trip: a digest of the caller (host and principal, :func:`.keys.scope_digest`)
+    # and the route template. None for claims that are not HTTP requests.
+    scope_digest: str | None = None
+    route: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +136,9 @@ class Capabilities(NamedTuple):
     # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
     # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
     migrations: bool = False
+    # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
+    # store keeps each claim's scope digest and route where the audit can find them.
+    audit: bool = False
 
 
 def capabilities(store: object) -> Capabilities:
@@ -214,6 +224,21 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class AuditableStore(Protocol):
+    """A store that finds likely duplicates keys could not catch (``Capabilities.audit``)."""
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        """Requests claimed at or after ``since`` by one caller, to one route, with one
+        fingerprint, under different keys, each within ``window`` of the one before
+        (:func:`.duplicates.group_sightings`); only ``route``'s when given. An admin
+        query: it reads the claims' scope digests through an index (SQL) or a
+        secondary structure kept for the records' retention (Redis)."""
+        ...
 
 
 @runtime_checkable

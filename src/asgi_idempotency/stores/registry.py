@@ -91,22 +91,26 @@ class StoreKind:
 KINDS: list[StoreKind] = [
     StoreKind(
         "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(transactions=True, migrations=True), drivers=True, normalize=async_url,
+        Capabilities(transactions=True, migrations=True, audit=True),
+        drivers=True,
+        normalize=async_url,
         cli_options={"pool_size": 1},
     ),
     StoreKind(
         "SQLite", ("sqlite",), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(migrations=True), drivers=True, normalize=async_url,
+        Capabilities(migrations=True, audit=True), drivers=True, normalize=async_url,
         cli_options={"pool_size": 1},
     ),
     StoreKind(
         "MariaDB/MySQL", ("mariadb", "mysql"), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(migrations=True), extra="mysql", drivers=True, normalize=async_url,
+        Capabilities(migrations=True, audit=True), extra="mysql", drivers=True, normalize=async_url,
         cli_options={"pool_size": 1},
     ),
     StoreKind(
         "Redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"),
-        "asgi_idempotency.stores.redis:RedisStore", Capabilities(prune=False), extra="redis",
+        "asgi_idempotency.stores.redis:RedisStore",
+        Capabilities(prune=False, audit=True),
+        extra="redis",
         lacks={
             "prune": "Redis expires each record itself when its retention ends (the key's "
             "TTL), so a Redis store needs no prune job",

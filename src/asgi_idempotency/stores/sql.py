@@ -28,7 +28,7 @@ import asyncio
 import functools
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import Executable, make_url
@@ -51,8 +51,9 @@ from .base import (
 )
 from .codec import as_time, encode_headers, to_record
 from .dialect import MAX_BATCH, HotPath, HotPathOptions, Op, SQLDialect, dialect_named
+from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 from .loops import LoopTenure
-from .queries import buckets_query, count_expired_query, find_query, get_query
+from .queries import buckets_query, count_expired_query, find_query, get_query, sightings_query
 
 __all__ = ["SQLStore"]
 
@@ -128,7 +129,10 @@ class SQLStore:
             raise ValueError(f"SQLStore does not batch on {spec.label} yet: pass batching=False")
         self.batching: bool = spec.batching if batching is None else batching
         self.capabilities = Capabilities(
-            transactions=spec.transaction is not None, batching=self.batching, migrations=True
+            transactions=spec.transaction is not None,
+            batching=self.batching,
+            migrations=True,
+            audit=True,
         )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._command_timeout = command_timeout
@@ -249,6 +253,8 @@ class SQLStore:
             "now": when(new.now),
             "locked_until": when(new.locked_until),
             "expires_at": when(new.expires_at),
+            "scope_digest": new.scope_digest,
+            "route": new.route,
         }
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
@@ -357,6 +363,16 @@ class SQLStore:
     async def count_expired(self, *, now: datetime) -> int:
         rows = await self._all(count_expired_query(now))
         return int(rows[0][0])
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        rows = await self._all(sightings_query(since, route))
+        return group_sightings(
+            (Sighting(scope, path or "", fingerprint, key, as_time(created))
+             for scope, path, fingerprint, key, created in rows),
+            window,
+        )  # fmt: skip
 
     async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
         if asyncio.get_running_loop() is not self._loop:

@@ -85,6 +85,9 @@ _CLAIMED_ROW: dict[str, Any] = {
     "created_at": bindparam("now", type_=_TIME),
     "locked_until": bindparam("locked_until", type_=_TIME),
     "expires_at": bindparam("expires_at", type_=_TIME),
+    # The audit's scope digest and route (NULL for claims that are not HTTP requests).
+    "scope_digest": bindparam("scope_digest", type_=_TEXT),
+    "route": bindparam("route", type_=_TEXT),
 }
 _NO_RESPONSE = {"response_status": null(), "response_headers": null(), "response_body": null()}
 _KEY = _t.c.key == bindparam("key")
@@ -282,14 +285,27 @@ def _pg_claim_many() -> Select[Any]:
         ("created_at", _TIME),
         ("locked_until", _TIME),
         ("expires_at", _TIME),
+        ("scope_digest", _TEXT),
+        ("route", _TEXT),
     )
     v = select(rows).where(_lock_wait()).cte("v")
     ins = (
         pg_insert(_t)
         .from_select(
-            ["key", "request_hash", "status", "token", "created_at", "locked_until", "expires_at"],
+            [
+                "key",
+                "request_hash",
+                "status",
+                "token",
+                "created_at",
+                "locked_until",
+                "expires_at",
+                "scope_digest",
+                "route",
+            ],
             select(v.c.key, v.c.request_hash, _IN_PROGRESS, v.c.token)
             .add_columns(v.c.created_at, v.c.locked_until, v.c.expires_at)
+            .add_columns(v.c.scope_digest, v.c.route)
             .order_by(v.c.key),
         )
         .on_conflict_do_nothing(index_elements=[_t.c.key])
