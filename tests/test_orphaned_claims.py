@@ -9,6 +9,7 @@ hand such a claim to :func:`lifecycle.release_orphan`; the next attempt runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -213,5 +214,40 @@ async def test_a_call_cancelled_as_its_claim_comes_back_across_loops_leaves_the_
             await first
         await gone(store, record_key("crossing", "order-7"))
         assert (await refund("order-7"), runs) == (1, 1)
+    finally:
+        once.close()
+
+
+async def test_a_replay_whose_caller_was_cancelled_across_loops_is_dropped_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As above, but the answer that never reaches its cancelled caller is a replay:
+    # there is no claim to release, and nothing may fail on the guard's loop.
+    store = SignalsInsert()
+    once = Once(store, namespace="crossing")
+
+    @once(key=lambda order: order)
+    def warm_up(order: str) -> str:
+        return order
+
+    @once(key=lambda order: order)
+    async def refund(order: str) -> str:
+        return order
+
+    try:
+        await asyncio.to_thread(warm_up, "warm-up")  # starts the guard's loop
+        assert await refund("order-9") == "order-9"
+        store.inserted.clear()
+        with caplog.at_level(logging.ERROR):
+            second = asyncio.create_task(refund("order-9"))
+            await asyncio.sleep(0)
+            assert store.inserted.wait(WAIT)
+            time.sleep(0.1)  # noqa: ASYNC251  # blocking on purpose, as above
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            # Through the guard's loop, after whatever the cancelled answer left there.
+            assert await asyncio.to_thread(warm_up, "warm-up") == "warm-up"
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     finally:
         once.close()

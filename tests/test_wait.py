@@ -452,7 +452,7 @@ async def test_once_waiters_elsewhere_read_the_store_once_per_pause() -> None:
     first = asyncio.ensure_future(holder.call("A-1", charge, "A-1"))
     await until(lambda: len(runs) == 1)
     calls = [asyncio.ensure_future(waiting.call("A-1", charge, "A-1")) for _ in range(50)]
-    await until(lambda: waiting._waiters.waiting() == 50)
+    await until(lambda: waiting._core.waiters.waiting() == 50)
     began, gets = time.monotonic(), store.gets
     await asyncio.sleep(1.0)
     gate.set()
@@ -478,7 +478,7 @@ async def test_once_waiters_of_a_failing_holder_run_it_once_more() -> None:
     first = asyncio.ensure_future(once.call("A-1", charge, "A-1"))
     await until(lambda: len(runs) == 1)
     calls = [asyncio.ensure_future(once.call("A-1", charge, "A-1")) for _ in range(10)]
-    await until(lambda: once._waiters.waiting() == 10)
+    await until(lambda: once._core.waiters.waiting() == 10)
     gate.set()
     with pytest.raises(RuntimeError, match="card network"):
         await first

@@ -1,9 +1,9 @@
 """The function guard: run a function once per key, over the same stores and lifecycle.
 
 Queue consumers, scheduled jobs and agent tools meet the same duplicates as HTTP
-handlers, without a request. :class:`Once` is a second caller of
-:func:`.lifecycle.claim` (the responder is the first), so every rule about what a
-stored record means lives there, once:
+handlers, without a request. :class:`Once` is an adapter over the execution core
+(:mod:`.execution`), as the HTTP responder is: claim, renewal, completion (retried for
+the lease's life), release and orphans are the core's, and behave as for a request:
 
     claim ─┬─ CLAIMED / TAKEN_OVER ─► run the function (lease renewed meanwhile)
            │                          ├─ returned: its result, encoded, completes the key
@@ -37,7 +37,6 @@ import functools
 import hashlib
 import inspect
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from concurrent.futures import Future
@@ -46,16 +45,15 @@ from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast
 
 import orjson
 
-from . import lifecycle, tracing
+from . import tracing
 from .canonical import canonical_json
 from .errors import InProgress, KeyReused, StoreError
-from .lease import LeaseRenewals, Renewal, complete_later
+from .execution import Execution, Executor
 from .lifecycle import ClaimOutcome
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer, store_label
 from .policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
-from .stores.base import NewClaim, Store, StoredResponse, utcnow
-from .waiting import POLL_MAX, Waiters
+from .stores.base import Store, StoredResponse, utcnow
 
 __all__ = ["Codec", "InProgress", "KeyReused", "Once"]
 
@@ -127,11 +125,6 @@ class _Call(NamedTuple):
     namespace: str  # logged as the route: the programmer's name, not the caller's data
     wait: timedelta | None
     function: str  # the qualified name, for traces (code.function.name)
-
-
-class _Owned(NamedTuple):
-    token: str
-    renewal: Renewal
 
 
 class _LoopThread:
@@ -230,10 +223,12 @@ class Once:
         self.retry_after = retry_after
         self.codec: Codec = _ORJSON() if codec is None else codec
         self.clock = clock
+        self._policy = policy
         self._observer = Observer(metrics, store_label(store))
-        self._renewals = LeaseRenewals(store, clock=clock, observer=self._observer)
-        self._background: set[asyncio.Task[Any]] = set()
-        self._waiters = Waiters(store.get, poll_max=min(POLL_MAX, retry_after))
+        # The claim, completion and release: the same core as the HTTP responder's.
+        self._core = Executor(
+            store, clock=clock, fail_open=False, retry_after=retry_after, observer=self._observer
+        )
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
 
@@ -417,42 +412,16 @@ class Once:
             )
             self._outcome(call, span, unavailable)
 
-    async def _store(self, operation: str, span: Any, coro: Awaitable[T]) -> T:
-        """Await one store operation, timed and traced as a child of ``span`` if either is on."""
-        if span is None and not self._observer.timing:
-            return await coro
-        with self._observer.store_call(operation, span):
-            return await coro
-
-    async def _claim(self, call: _Call, span: Any = None) -> bytes | _Owned:
+    async def _claim(self, call: _Call, span: Any = None) -> bytes | Execution:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
-        token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
-        claim = await self._claim_as(call, token, span)
-        if claim.outcome is ClaimOutcome.IN_PROGRESS and call.wait is not None:
-            began = self.clock()
-            claim = await self._waiters.wait(
-                call.key, call.fingerprint, claim, call.wait.total_seconds(), self.clock,
-                functools.partial(self._claim_as, call, token, span),
-            )  # fmt: skip
-            waited = (self.clock() - began).total_seconds()
-            self._log(logging.INFO, "idempotency.waited", call, outcome=claim.outcome.value,
-                      waited_s=round(waited, 3))  # fmt: skip
-            if span is not None:
-                tracing.annotate(span, waited=True)
-        outcome = claim.outcome
-        if claim.owned:
-            if outcome is ClaimOutcome.TAKEN_OVER:
-                self._log(logging.WARNING, "idempotency.takeover", call, outcome="taken_over")
-                self._observer.takeover(call.namespace)
-                if span is not None:
-                    tracing.annotate(span, taken_over=True)
-            renewal = self._renewals.start(
-                call.key, token, self.lease, self._renew_every, call.namespace
-            )
-            if call.wait is not None:
-                self._waiters.hold(call.key)  # its waiters here hear of its end from us
-            return _Owned(token, renewal)
-        record = claim.record
+        execution = await self._core.claim(
+            self.store, call.key, call.fingerprint, call.namespace, self._policy, span=span,
+            wait=call.wait,
+        )  # fmt: skip
+        if execution.owned:
+            return execution
+        record = execution.claim.record
+        outcome = execution.claim.outcome
         if outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
@@ -465,31 +434,16 @@ class Once:
                 f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
                 "with other arguments or another function; use a new key for a new call"
             )
-        wait = lifecycle.in_progress_wait(record, self.clock(), self.retry_after)
+        wait = self._core.in_progress_wait(execution)
         raise InProgress(
             f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
             f"by a running call; retry in {wait:.3g} s",
             retry_after=wait,
         )
 
-    async def _claim_as(self, call: _Call, token: str, span: Any = None) -> lifecycle.Claim:
-        """One claim of the key for ``token``: a round trip (two to take over)."""
-        now = self.clock()
-        return await self._store("claim", span, lifecycle.claim(
-            self.store, call.key, call.fingerprint, token,
-            now=now, locked_until=now + self.lease, expires_at=now + self.ttl,
-            orphaned=functools.partial(self._orphaned, call),
-        ))  # fmt: skip
-
-    async def _finish(self, call: _Call, owned: _Owned, result: Any, span: Any = None) -> Any:
+    async def _finish(self, call: _Call, owned: Execution, result: Any, span: Any = None) -> Any:
         """Complete the key with ``result``; return it as a replay would (via the codec)."""
-        try:
-            return await self._complete(call, owned, result, span)
-        finally:
-            self._waiters.settled(call.key)
-
-    async def _complete(self, call: _Call, owned: _Owned, result: Any, span: Any) -> Any:
-        owned.renewal.stop(owned.token)
+        self._core.stop(owned)
         try:
             body = self.codec.dumps(result)
         except Exception:
@@ -498,82 +452,20 @@ class Once:
             self._outcome(call, span, Outcome.RELEASED)
             await self._release(call, owned, span)
             raise
-        stored = StoredResponse(200, (), body)
-        expires_at = self.clock() + self.ttl
         # The function ran: executed, whether or not the store keeps its result (as the
-        # middleware counts a request whose completion failed).
+        # middleware counts a request whose completion failed). A completion the store
+        # fails is tried again in the background, for the lease's life (the core's).
         self._outcome(call, span, Outcome.EXECUTED)
-        try:
-            done = await self._shielded(
-                call, "complete",
-                self._store("complete", span, self.store.complete(
-                    call.key, owned.token, stored, expires_at=expires_at
-                )),
-            )  # fmt: skip
-        except StoreError as exc:
-            # The function ran: its result is the caller's even though it is not stored
-            # yet. The completion is tried again in the background under a renewed
-            # lease, for the lease's life, as the HTTP side does (README: guarantees).
-            self._observer.store_error(call.namespace, call.key, "complete", exc)
-            retry = complete_later(
-                self.store, self._renewals, self._observer, call.key, owned.token, stored,
-                expires_at, lease=self.lease, every=self._renew_every, route=call.namespace,
-            )  # fmt: skip
-            task = asyncio.ensure_future(retry)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            task.add_done_callback(functools.partial(self._log_failure, call, "complete"))
-        else:
-            if not done:
-                self._log(logging.ERROR, "idempotency.claim_lost", call, phase="complete")
+        await self._core.complete(owned, StoredResponse(200, (), body), span=span)
         return self.codec.loads(body)
 
-    async def _release(self, call: _Call, owned: _Owned, span: Any = None) -> None:
-        owned.renewal.stop(owned.token)
-        try:
-            await self._shielded(
-                call,
-                "release",
-                self._store("release", span, self.store.release(call.key, owned.token)),
-            )
-        except StoreError as exc:
-            # The function's own error is the one raised; the claim lapses after a lease.
-            self._observer.store_error(call.namespace, call.key, "release", exc)
-        finally:
-            self._waiters.settled(call.key)
+    async def _release(self, call: _Call, owned: Execution, span: Any = None) -> None:
+        # The function's own error is the one raised; a release the store fails is
+        # logged, and the claim lapses after its lease.
+        await self._core.release(owned, span=span)
 
-    def _abandon(self, call: _Call, owned: _Owned) -> None:
-        owned.renewal.stop(owned.token)
-        self._waiters.settled(call.key)  # waiters here go back to reading the store
-        self._log(logging.WARNING, "idempotency.cancelled", call)
-
-    async def _shielded(self, call: _Call, phase: str, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` to the end even if the caller is cancelled meanwhile.
-
-        Both statements are fenced by the claim's token: finishing one after its caller
-        has gone changes nothing the caller had not asked for.
-        """
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(functools.partial(self._log_failure, call, phase))
-            raise
-
-    def _orphaned(self, call: _Call, new: NewClaim) -> None:
-        """A claim whose caller was cancelled while it was in flight: release it
-        (:func:`.lifecycle.release_orphan`) in the background."""
-        task = asyncio.ensure_future(lifecycle.release_orphan(self.store, new))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(functools.partial(self._log_failure, call, "release"))
-
-    def _log_failure(self, call: _Call, phase: str, task: asyncio.Task[Any]) -> None:
-        # Nobody awaits the task any more: its failure would otherwise go unseen.
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self._observer.store_error(call.namespace, call.key, phase, exc, after="cancelled")
+    def _abandon(self, call: _Call, owned: Execution) -> None:
+        self._core.abandon(owned)
 
     def _log(self, level: int, event: str, call: _Call, **fields: Any) -> None:
         self._observer.log(level, event, call.namespace, call.key, **fields)
@@ -609,16 +501,14 @@ class Once:
                 answer.add_done_callback(functools.partial(_settled, thread.loop, unheard))
             raise
 
-    def _unheard(self, call: _Call, got: bytes | _Owned) -> None:
+    def _unheard(self, call: _Call, got: bytes | Execution) -> None:
         """A claim decided on the guard's loop whose caller was cancelled before the
         answer reached it: the function never runs, so a claim that is the caller's is
         released (token-fenced), where otherwise it would stay in progress, renewed, for
         as long as the guard's loop runs. (A cancellation that reaches the claim while
         it is still in flight is the lifecycle's: ``orphaned``.)"""
-        if isinstance(got, _Owned):
-            task = asyncio.ensure_future(self._release(call, got))
-            self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        if isinstance(got, Execution):
+            self._core.release_later(got)
 
     def _on_loop_of_store(self, fn: Callable[..., None], *args: Any) -> None:
         thread = self._thread

@@ -21,8 +21,10 @@ failing, releases the key. A streamed response (a body message with ``more_body`
 goes to the client as it is produced, kept on the side up to a limit and stored when
 it ends.
 
+The claim, completion and release are the execution core's (:mod:`.execution`, shared
+with :class:`~.once.Once`); this module captures and replays ASGI messages around them.
 In the default mode the claim and the completion are separate statements on the
-store and :class:`~.lease.LeaseRenewals` keeps the claim alive meanwhile. In
+store and the core renews the claim's lease meanwhile. In
 transactional mode they are statements of one store transaction, which the handler
 writes through too: releasing is rolling back, completing is committing.
 """
@@ -31,12 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import logging
-import os
-from collections.abc import Callable, Coroutine
-from datetime import datetime, timedelta
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from starlette.exceptions import HTTPException
 
@@ -51,21 +51,19 @@ from .errors import (
     StoreError,
     StoreUnavailable,
 )
-from .keys import MAX_ROUTE_LENGTH, scope_digest, scoped_key
-from .lease import LeaseRenewals, Renewal, complete_later
+from .execution import Execution, Executor
+from .keys import scope_digest, scoped_key
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
 from .policy import Policy
 from .regenerated import RegeneratedKeys
 from .stores.base import (
-    NewClaim,
     Store,
     StoredResponse,
     StoreTransaction,
     TransactionalStore,
 )
-from .waiting import POLL_MAX, Waiters
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -78,8 +76,6 @@ GUARD_SCOPE_KEY = "asgi_idempotency.responder"
 # past it, retries are told the request ran and its response was not kept.
 STREAM_KEEP_LIMIT = 1024 * 1024
 _PATHSEND = "http.response.pathsend"
-
-T = TypeVar("T")
 
 
 class GuardedRequest(NamedTuple):
@@ -95,11 +91,11 @@ class GuardedRequest(NamedTuple):
     host: str  # "" when records are not scoped by host
 
 
-class Runtime:
-    """What every request of one middleware shares: the app, the store and the settings."""
+class Runtime(Executor):
+    """What every request of one middleware shares: the execution core (the store, the
+    clock, the settings), the app and the regenerated-key detector."""
 
-    __slots__ = ("app", "background", "clock", "fail_open", "observer", "regenerated", "renewals",
-                 "retry_after", "store", "waiters")  # fmt: skip
+    __slots__ = ("app", "regenerated")
 
     def __init__(
         self,
@@ -111,70 +107,12 @@ class Runtime:
         retry_after: float,
         observer: Observer,
     ) -> None:
-        self.app, self.store, self.clock = app, store, clock
-        self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
-        # Completions, releases and transaction closes that outlive a cancelled request.
-        self.background: set[asyncio.Task[Any]] = set()
-        self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
+        super().__init__(
+            store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
+        )
+        self.app = app
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
-        # Duplicates waiting for a running first (Policy(wait=...)), and the keys this
-        # process's own requests hold for them.
-        self.waiters = Waiters(store.get, poll_max=min(POLL_MAX, retry_after))
-
-    def orphaned(self, new: NewClaim) -> None:
-        """A claim whose request was cancelled while it was in flight: release it
-        (:func:`.lifecycle.release_orphan`) in the background."""
-        release = functools.partial(lifecycle.release_orphan, self.store, new)
-        self.rerun(release, "", new.key, "release")
-
-    def rerun(
-        self, make: Callable[[], Coroutine[Any, Any, object]], route: str, key: str, phase: str
-    ) -> None:
-        """Run a completion or release again to the end, after a cancellation cut it short.
-
-        A completion or release is awaited directly: no task and no extra loop turns
-        on the common path. If a cancellation interrupts it, the caller hands the same
-        statement here, to run in a task of its own whose failure is logged under the
-        request's route and key digest; both are fenced by the claim's token, so a
-        second run changes nothing a first one that did land had not already done.
-        """
-        task = asyncio.ensure_future(make())
-        self._keep(task)
-        task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
-
-    def complete_later(
-        self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
-        lease: timedelta, every: float, route: str,
-    ) -> None:  # fmt: skip
-        """Try again, in the background, a completion that the store failed
-        (:func:`.lease.complete_later`: for the lease's life, under a renewed lease)."""
-        task = asyncio.ensure_future(
-            complete_later(
-                self.store, self.renewals, self.observer, key, token, stored, expires_at,
-                lease=lease, every=every, route=route,
-            )
-        )  # fmt: skip
-        self._keep(task)
-        task.add_done_callback(
-            functools.partial(self._log_failure, route, key, "complete", after="retrying")
-        )
-
-    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
-        task = asyncio.ensure_future(coro)
-        self._keep(task)
-        return await asyncio.shield(task)
-
-    def _keep(self, task: asyncio.Task[Any]) -> None:
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    def _log_failure(
-        self, route: str, key: str, phase: str, task: asyncio.Task[Any], after: str = "cancelled"
-    ) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error(route, key, phase, exc, after=after)
 
 
 _MISMATCH_DETAIL = (
@@ -203,8 +141,8 @@ class _State(enum.Enum):
 class Responder:
     """The state of one guarded request."""
 
-    __slots__ = ("chunks", "kept", "receive", "renewal", "req", "rt", "scope", "send", "span",
-                 "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
+    __slots__ = ("chunks", "execution", "kept", "receive", "req", "rt", "scope", "send",
+                 "span", "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
 
     def __init__(
         self, rt: Runtime, req: GuardedRequest, scope: Scope, receive: Receive, send: Send
@@ -214,7 +152,7 @@ class Responder:
         self.state = _State.WAITING
         self.token = ""
         self.tx: StoreTransaction | None = None
-        self.renewal: Renewal | None = None
+        self.execution: Execution | None = None  # the core's handle of our claim
         self.start: Message | None = None
         self.chunks: list[bytes] = []
         self.kept = 0  # bytes of a streamed response kept so far
@@ -236,9 +174,9 @@ class Responder:
             # The scope holds this responder and it the scope: a cycle only the
             # collector would free, paid for by every request's p99.
             scope.pop(GUARD_SCOPE_KEY, None)
-            if self.req.policy.wait is not None:
-                # However the claim ended (a no-op once _finish has said so).
-                self.rt.waiters.settled(self.req.key)
+            if self.execution is not None:
+                # However the claim ended (a no-op once it was completed or released).
+                self.rt.settled(self.execution)
 
     async def _run(self) -> None:
         if self.req.principal is None:
@@ -329,19 +267,9 @@ class Responder:
         if self.state is not _State.OWNED:
             return
         self.state = _State.WAITING  # its answer (the 422) passes through
-        self._stop_renewal()
         self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
-        store, key, token = self.rt.store, self.req.key, self.token
-        try:
-            await store.release(key, token)
-        except asyncio.CancelledError:
-            self.rt.rerun(functools.partial(store.release, key, token), self.req.route, key,
-                          "release")  # fmt: skip
-            self._settled()
-            raise
-        except StoreError as exc:
-            self.rt.observer.store_error(self.req.route, key, "release", exc)
-        self._settled()
+        assert self.execution is not None  # owned: claimed by claim_deferred
+        await self.rt.release(self.execution)
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
         self.rt.observer.log(level, event, self.req.route, self.req.key, **fields)
@@ -350,37 +278,25 @@ class Responder:
         """Claim the key; ``True`` if the app is to run, else the request is answered."""
         rt, req = self.rt, self.req
         policy = req.policy
-        now = rt.clock()
-        token = os.urandom(16).hex()  # the fencing token: 128 random bits
         otel = tracing.trace  # inlined tracing.live(): a global read when no tracer is set
         span = self.span = (
             tracing.recording() if otel is not None and otel._TRACER_PROVIDER is not None else None
         )
         if span is not None:
             tracing.annotate(span, key_digest=req.key[:16], mode=policy.mode)
-        claiming = lifecycle.claim(
-            claimant,
-            req.key,
-            req.fingerprint,
-            token,
-            now=now,
-            locked_until=now + policy.lease,
-            expires_at=now + policy.ttl,
-            # A transaction's claim rolls back with it; the store's stays unless released.
-            orphaned=rt.orphaned if self.tx is None else None,
-            # For the audit, on every guarded request: digests and the template only.
-            scope_digest=scope_digest(req.principal or "", req.host),
-            route=req.route[:MAX_ROUTE_LENGTH],
-        )
         try:
-            if span is None and not rt.observer.timing:
-                claim = await claiming  # the common case: no span, no timing, no context
-            else:
-                with rt.observer.store_call("claim", span):
-                    claim = await claiming
+            execution = await rt.claim(
+                claimant, req.key, req.fingerprint, req.route, policy, span=span,
+                transaction=self.tx is not None,
+                # Report-only mode answers what it finds at once, as without the guard.
+                wait=None if policy.mode == "report" else policy.wait,
+                # For the audit, on every guarded request: digests and the template only.
+                scope=scope_digest(req.principal or "", req.host),
+            )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")
             return self.state is _State.UNGUARDED
+        claim = execution.claim
         if not claim.owned:
             if policy.mode == "report":
                 self._report_existing(claim)
@@ -391,52 +307,21 @@ class Responder:
                     # ours, and its writes commit alone: no token, so no record is ours.
                     self._hand_transaction()
                 return True
-            if policy.wait is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
-                self.token = token  # the waiter's claim, if it comes to one, is fenced by it
-                try:
-                    claim = await rt.waiters.wait(
-                        req.key, req.fingerprint, claim, policy.wait.total_seconds(), rt.clock,
-                        self._reclaim,
-                    )  # fmt: skip
-                except StoreError as exc:
-                    await self._unavailable(exc, "claim")
-                    return self.state is _State.UNGUARDED
-                waited = rt.clock() - now
-                now += waited
-                self._log(
-                    logging.INFO, "idempotency.waited", outcome=claim.outcome.value,
-                    waited_s=round(waited.total_seconds(), 3),
-                )  # fmt: skip
-                if span is not None:
-                    tracing.annotate(span, waited=True)
-            if not claim.owned:
-                self.state = _State.ANSWERED
-                await self._answer_existing(claim, now)
-                return False
+            self.state = _State.ANSWERED
+            await self._answer_existing(execution)
+            return False
         if rt.regenerated is not None:
             try:
-                await self._check_regenerated(claimant, now)
+                await self._check_regenerated(claimant, execution.now)
             except asyncio.CancelledError:
                 # The claim is this request's and nothing ran for it: release it now
                 # (token-fenced) rather than leave the key to answer 409 for a lease. A
                 # transaction's claim rolls back with it.
                 if self.tx is None:
-                    release = functools.partial(rt.store.release, req.key, token)
-                    rt.rerun(release, req.route, req.key, "release")
+                    rt.release_later(execution)
                 raise
-        if claim.outcome is ClaimOutcome.TAKEN_OVER:
-            self._log(logging.WARNING, "idempotency.takeover", outcome="taken_over")
-            if span is not None:
-                tracing.annotate(span, taken_over=True)
-            rt.observer.takeover(req.route)
-        self.token, self.state = token, _State.OWNED
-        if self.tx is None:
-            self.renewal = rt.renewals.start(
-                req.key, token, policy.lease, policy.renew_every, req.route
-            )
-            if policy.wait is not None:
-                rt.waiters.hold(req.key)  # duplicates here wait for _settled, not the store
-        else:
+        self.token, self.state, self.execution = execution.token, _State.OWNED, execution
+        if self.tx is not None:
             self._hand_transaction()
         return True
 
@@ -447,25 +332,6 @@ class Responder:
         assert self.tx is not None
         self.scope.setdefault("state", {})["idempotency"] = self.tx.state
         self.state = _State.OWNED
-
-    async def _reclaim(self) -> Claim:
-        """Claim the key again for a waiting duplicate that found it free (its first was
-        released, or lapsed), with this request's token; one store round trip."""
-        rt, req = self.rt, self.req
-        policy = req.policy
-        now = rt.clock()
-        claiming = lifecycle.claim(
-            rt.store, req.key, req.fingerprint, self.token, now=now,
-            locked_until=now + policy.lease, expires_at=now + policy.ttl, orphaned=rt.orphaned,
-        )  # fmt: skip
-        with rt.observer.store_call("claim", self.span):
-            return await claiming
-
-    def _settled(self) -> None:
-        """This request's claim ended here (completed, released, or left to lapse):
-        duplicates of this process that wait for it read the key now."""
-        if self.req.policy.wait is not None:
-            self.rt.waiters.settled(self.req.key)
 
     async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
         """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
@@ -489,21 +355,18 @@ class Responder:
             rt.observer.regenerated_key(req.route, req.key, other)
 
     def _stop_renewal(self) -> None:
-        if self.renewal is not None:
-            self.renewal.stop(self.token)
-            self.renewal = None
+        if self.execution is not None:
+            self.rt.stop(self.execution)
 
     async def _run_app(self) -> None:
         try:
             await self.rt.app(self.scope, self.app_receive, self.app_send)
         except asyncio.CancelledError:
-            if self.state is _State.OWNED:
-                # Cancelled part-way: the effect may or may not have happened. By default
-                # the claim stays in progress until its lease ends rather than inviting a
-                # rerun; in a transaction, closing it rolls back the claim and the writes.
-                self._stop_renewal()
-                if self.tx is None:
-                    self._log(logging.WARNING, "idempotency.cancelled")
+            # Cancelled part-way: the effect may or may not have happened. By default
+            # the claim stays in progress until its lease ends rather than inviting a
+            # rerun; in a transaction, closing it rolls back the claim and the writes.
+            if self.state is _State.OWNED and self.execution is not None and self.tx is None:
+                self.rt.abandon(self.execution)
             raise
         except GuardAnswered:
             if self.state is not _State.ANSWERED:
@@ -596,14 +459,9 @@ class Responder:
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
                 stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
-            expires_at = self.rt.clock() + self.req.policy.ttl
             if self.tx is None:
-                try:
-                    await self._complete(stored, expires_at)
-                finally:
-                    if self.req.policy.wait is not None:
-                        self.rt.waiters.settled(self.req.key)
-            elif not await self._commit(self.tx, stored, expires_at):
+                await self._complete(stored)
+            elif not await self._commit(self.tx, stored, self.rt.clock() + self.req.policy.ttl):
                 self.state = _State.DONE
                 return
             self.rt.observer.outcome(self.req.route, Outcome.EXECUTED)
@@ -615,34 +473,12 @@ class Responder:
         await send(start)
         await send({"type": "http.response.body", "body": content, "more_body": False})
 
-    async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
-        store, key, token = self.rt.store, self.req.key, self.token
-        try:
-            completing = store.complete(key, token, stored, expires_at=expires_at)
-            if self.span is None and not self.rt.observer.timing:
-                owned = await completing
-            else:
-                with self.rt.observer.store_call("complete", self.span):
-                    owned = await completing
-        except asyncio.CancelledError:
-            # A partial, built only now: a lambda would give this function cells
-            # that every request pays for.
-            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
-            self.rt.rerun(again, self.req.route, key, "complete")
-            raise
-        except StoreError as exc:
-            # The effect happened but is not recorded: the client still gets the true
-            # response now, and the completion is tried again in the background under
-            # a renewed lease, for the lease's life (lease.complete_later; README: guarantees).
-            route, policy = self.req.route, self.req.policy
-            self.rt.observer.store_error(route, key, "complete", exc)
-            self.rt.complete_later(
-                key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
-                route=route,
-            )  # fmt: skip
-            return
-        if not owned:
-            self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
+    async def _complete(self, stored: StoredResponse) -> None:
+        # The effect happened: a store that fails to record it gets the completion
+        # again in the background, for the lease's life (README: guarantees); the
+        # client gets the true response now either way.
+        assert self.execution is not None
+        await self.rt.complete(self.execution, stored, span=self.span)
 
     async def _commit(
         self, tx: StoreTransaction, stored: StoredResponse | None, expires_at: datetime | None
@@ -675,23 +511,8 @@ class Responder:
             self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
         if self.tx is not None:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
-        store, key, token = self.rt.store, self.req.key, self.token
-        try:
-            releasing = store.release(key, token)
-            if self.span is None and not self.rt.observer.timing:
-                await releasing
-            else:
-                with self.rt.observer.store_call("release", self.span):
-                    await releasing
-        except asyncio.CancelledError:
-            again = functools.partial(store.release, key, token)
-            self.rt.rerun(again, self.req.route, key, "release")
-            raise
-        except StoreError as exc:
-            self.rt.observer.store_error(self.req.route, key, "release", exc)
-        finally:
-            if self.req.policy.wait is not None:
-                self.rt.waiters.settled(key)
+        assert self.execution is not None  # owned, not in a transaction
+        await self.rt.release(self.execution, span=self.span)
 
     async def _unavailable(self, exc: StoreError, phase: str) -> None:
         rt = self.rt
@@ -724,7 +545,8 @@ class Responder:
         self.rt.observer.outcome(self.req.route, outcome)
         self.rt.observer.report(self.req.route, self.req.key, status, outcome=outcome.value)
 
-    async def _answer_existing(self, claim: Claim, now: datetime) -> None:
+    async def _answer_existing(self, execution: Execution) -> None:
+        claim = execution.claim
         record, route = claim.record, self.req.route
         observer = self.rt.observer
         if claim.outcome is ClaimOutcome.COMPLETED:
@@ -745,7 +567,7 @@ class Responder:
             observer.outcome(route, Outcome.MISMATCH)
             await KeyMismatch(_MISMATCH_DETAIL).send(self.send)
         else:
-            wait = lifecycle.in_progress_wait(record, now, self.rt.retry_after)
+            wait = self.rt.in_progress_wait(execution)
             observer.outcome(route, Outcome.IN_PROGRESS)
             await RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait).send(self.send)
 
