@@ -417,12 +417,13 @@ class Claimant:
 CLAIMANT_KINDS = [
     *STORE_KINDS,
     pytest.param("postgres-transactional", marks=pytest.mark.postgres),
+    pytest.param("mariadb-transactional", marks=pytest.mark.mariadb),
 ]
 
 
 @pytest.fixture(params=CLAIMANT_KINDS)
 async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
-    """Every store kind claimed the default way, and Postgres claimed in transactions too."""
+    """Every store kind claimed the default way, and Postgres and MariaDB in transactions too."""
     kind: str = request.param
     async with open_store(request, kind.removesuffix("-transactional")) as opened:
         claims = Claimant(opened, transactional=kind.endswith("-transactional"))
@@ -435,6 +436,26 @@ async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
 @pytest.fixture
 async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
     async with emptied(SQLStore(pg_url)) as sql:
+        yield sql
+
+
+# The SQL backends with transactional mode.
+TX_KINDS = [
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+]
+
+
+@pytest.fixture(params=TX_KINDS)
+def tx_url(request: pytest.FixtureRequest) -> str:
+    """The URL of each SQL backend with transactional mode, its schema and demo table made."""
+    return str(request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url"))
+
+
+@pytest.fixture
+async def tx_store(tx_url: str) -> AsyncIterator[SQLStore]:
+    """An emptied store on each SQL backend with transactional mode."""
+    async with emptied(SQLStore(tx_url)) as sql:
         yield sql
 
 

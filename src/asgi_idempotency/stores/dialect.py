@@ -149,7 +149,7 @@ BACKENDS = {
     "postgresql": "postgres",
     "sqlite": "sqlite",
     "mysql": "mysql",
-    "mariadb": "mysql",
+    "mariadb": "mariadb",  # the MySQL backend, with transactions
 }
 
 

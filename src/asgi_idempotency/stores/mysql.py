@@ -415,10 +415,10 @@ DIALECT = SQLDialect(
     configure_engine=install_session_limits,
     create_schema=_create_schema,
     prune=prune,
-    # Not built yet: the transactional claim decides a key under a Postgres advisory
-    # lock; GET_LOCK is the equivalent this dialect would need.
+    # MariaDB's URLs get transactions (mariadb.py): its claim bounds its lock waits
+    # with SET STATEMENT, which MySQL lacks.
     no_transactions=(
-        "does not hold the claim and the handler in one transaction yet "
-        "(the transactional claim is Postgres's)"
+        "does not hold the claim and the handler in one transaction on MySQL: on a "
+        "MariaDB server use a mariadb+asyncmy:// URL"
     ),
 )

@@ -1,0 +1,170 @@
+"""MariaDB: the MariaDB/MySQL backend (:mod:`.mysql`) plus transactional mode.
+
+``SQLStore("mariadb+asyncmy://…")`` serves transactional routes: one SQLAlchemy
+connection per request, whose transaction holds the claim, the handler's writes and
+the completed record (:class:`MariaDBTransaction`). ``mysql+asyncmy://`` URLs keep
+the plain backend: the claim below bounds its lock waits with MariaDB's
+``SET STATEMENT``, which MySQL does not have.
+
+Nobody waits on a key another request is deciding. Postgres takes a non-blocking
+advisory lock on the key; here the row's own lock serves: the claim is one
+``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING`` (MariaDB 10.5 or later), which
+locks the key's row exclusively, new or met, until the transaction ends, and runs
+with ``innodb_lock_wait_timeout = 0``: a second claim meets that lock with an
+immediate lock wait timeout (1205), answered as :data:`~.base.BUSY` (409). The
+handler's own statements keep the session's wait (``command_timeout``). No lock of
+ours outlives its transaction, none is taken on a gap (a primary key met or
+inserted locks its record alone), and the row a claim judges is the last committed
+one whatever the isolation level (a locking read), so the handler's transaction
+keeps the server's default (REPEATABLE READ) and takes its snapshot at its own
+first read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import ClauseElement
+from sqlalchemy.dialects.mysql.asyncmy import dialect as _asyncmy_dialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+from ..errors import StoreError
+from .base import BUSY, Busy, NewClaim, Record, StoredResponse
+from .codec import encode_headers, mysql_time, to_record
+from .mysql import DIALECT as _MYSQL
+from .mysql import _check_claim
+from .postgres import IdempotencyTransaction, own_claim
+from .sqlerrors import MYSQL_ERRORS
+from .statements import COMPLETE, MARIADB_TX_CLAIM, REPLACE, Compiled
+
+__all__ = ["DIALECT", "MariaDBTransaction", "open_transaction"]
+
+_LOCK_WAIT_TIMEOUT = 1205
+
+
+def _no_wait(stmt: ClauseElement) -> Compiled:
+    """``stmt`` for asyncmy's cursor (``%s``), waiting for no row lock."""
+    compiled = Compiled(stmt, _asyncmy_dialect())
+    compiled.sql = f"SET STATEMENT innodb_lock_wait_timeout = 0 FOR {compiled.sql}"
+    return compiled
+
+
+_CLAIM = _no_wait(MARIADB_TX_CLAIM)
+# The claim's own row, locked by this transaction since its claim: nothing to wait for.
+_REPLACE = Compiled(REPLACE, _asyncmy_dialect())
+_COMPLETE = Compiled(COMPLETE, _asyncmy_dialect())
+
+
+def _code(exc: DBAPIError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+class MariaDBTransaction:
+    """One request's transaction: the claim under its row's lock, then the record.
+
+    Round trips for a first request: the claim (the transaction begins with it), the
+    handler's own statements, complete, COMMIT. Replays, 409s and 422s: the claim,
+    then ROLLBACK as the connection goes back to the pool.
+    """
+
+    __slots__ = ("_conn", "state")
+
+    def __init__(self, conn: AsyncConnection) -> None:
+        self._conn = conn
+        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
+        values = _claim_values(new)
+        values["key"] = new.key
+        _check_claim(values)
+        with MYSQL_ERRORS:
+            try:
+                result = await self._conn.exec_driver_sql(_CLAIM.sql, _CLAIM.args(values))
+            except DBAPIError as exc:
+                if _code(exc) == _LOCK_WAIT_TIMEOUT:
+                    # Another transaction holds the row: it is deciding this key. Only
+                    # the statement was rolled back; the caller rolls back the rest.
+                    return BUSY
+                raise
+            row = tuple(result.one())
+        # The row returned is the one inserted (exactly this claim) or the one met.
+        inserted, _ = own_claim(values, row)
+        return None if inserted else to_record(new.key, row)
+
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
+        # A compare-and-swap, as everywhere, though the claim's lock has kept the row
+        # as it read it.
+        values = _claim_values(new)
+        values["where_key"] = new.key
+        values["old_token"] = expected.token
+        values["old_status"] = expected.status.value
+        values["old_locked_until"] = mysql_time(expected.locked_until)
+        with MYSQL_ERRORS:
+            result = await self._conn.exec_driver_sql(_REPLACE.sql, _REPLACE.args(values))
+        return bool(result.rowcount)
+
+    async def commit(
+        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+    ) -> None:
+        values = {
+            "where_key": key,
+            "where_token": token,
+            "expires_at": mysql_time(expires_at),
+            "response_status": response.status,
+            "response_headers": encode_headers(response.headers),
+            "response_body": response.body,
+        }
+        conn = self._conn
+        with MYSQL_ERRORS:
+            await self.state.session.flush()
+            completed = (await conn.exec_driver_sql(_COMPLETE.sql, _COMPLETE.args(values))).rowcount
+            if completed != 1:
+                # The row is not this claim's: its writes must not land beside the run
+                # that owns the key (as on Postgres).
+                await conn.rollback()
+                raise StoreError("the record is not this transaction's claim; rolled back")
+            await conn.commit()
+
+    async def commit_writes(self) -> None:
+        with MYSQL_ERRORS:
+            await self.state.session.flush()
+            await self._conn.commit()
+
+
+def _claim_values(new: NewClaim) -> dict[str, Any]:
+    return {
+        "request_hash": new.request_hash,
+        "token": new.token,
+        "now": mysql_time(new.now),
+        "locked_until": mysql_time(new.locked_until),
+        "expires_at": mysql_time(new.expires_at),
+    }
+
+
+@asynccontextmanager
+async def open_transaction(
+    engine: AsyncEngine, closing: set[asyncio.Task[Any]]
+) -> AsyncIterator[MariaDBTransaction]:
+    """A connection in a transaction; closing it (even when cancelled) rolls back what
+    was not committed and returns the connection to the pool."""
+    with MYSQL_ERRORS:
+        conn = await engine.connect()
+    try:
+        with MYSQL_ERRORS:
+            await conn.begin()  # no statement: the first one begins it on the server
+        yield MariaDBTransaction(conn)
+    finally:
+        task = asyncio.ensure_future(conn.close())
+        closing.add(task)
+        task.add_done_callback(closing.discard)
+        await asyncio.shield(task)
+
+
+DIALECT = replace(_MYSQL, transaction=open_transaction)
