@@ -50,6 +50,7 @@ def tx_app(
     failures: list[str] | None = None,
     *,
     entered: asyncio.Event | None = None,
+    mode: Any = "enforce",
 ) -> Starlette:
     """``failures`` scripts how the next calls fail, so a retry can send the same body.
 
@@ -94,6 +95,7 @@ def tx_app(
                 store=store,
                 principal=ANONYMOUS,
                 policies={"POST /refunds": TX},
+                mode=mode,
             )
         ],
     )
@@ -136,6 +138,21 @@ async def test_failure_after_writing_leaves_nothing_and_the_retry_succeeds(
     assert retry.status_code == 201
     assert calls == [mode, "ok"]
     assert await refund_rows(tx_store) == 1
+
+
+async def test_report_mode_runs_a_retry_whose_writes_commit_alone(tx_store: SQLStore) -> None:
+    """Report mode: the retry of a completed key runs again (as unguarded), in a
+    transaction of its own whose writes commit without touching the record."""
+    calls: list[str] = []
+    key = {"Idempotency-Key": "rep"}
+    async with client(tx_app(tx_store, calls, mode="report")) as c:
+        first = await c.post("/refunds", json={"amount": 5}, headers=key)
+        again = await c.post("/refunds", json={"amount": 5}, headers=key)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert "idempotent-replayed" not in again.headers
+    assert calls == ["ok", "ok"]
+    assert await refund_rows(tx_store) == 2
+    assert [r.status for r in await record_rows(tx_store)] == ["completed"]
 
 
 async def test_connection_cut_mid_handler_rolls_back_and_answers_503(tx_store: SQLStore) -> None:
