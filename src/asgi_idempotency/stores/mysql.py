@@ -89,8 +89,26 @@ class _Connection(Protocol):
     async def prepare(self, query: str) -> _Prepared: ...
 
 
-# The prepared statements of one driver connection, in its pool record's ``info``.
-_PREPARED = "asgi_idempotency.mysql.prepared"
+class _Held:
+    """A hot-path connection's driver and prepared statements, found by its pool proxy.
+
+    Read once per operation with one dict lookup, where the proxy's
+    ``driver_connection`` is a chain of properties through SQLAlchemy's pool.
+    """
+
+    __slots__ = ("driver", "statements")
+
+    def __init__(self, driver: _Connection) -> None:
+        self.driver = driver
+        self.statements: dict[str, _Prepared] = {}  # statement ids die with a connection
+
+    async def prepared(self, name: str) -> _Prepared:
+        stmt = self.statements.get(name)
+        if stmt is None:
+            # One extra round trip, the first time this connection runs the statement.
+            stmt = self.statements[name] = await self.driver.prepare(MYSQL[name].sql)
+        return stmt
+
 
 # How long past command_timeout the client waits for the server: the server's own
 # limits (session_limits) end a slow statement at command_timeout with an error that
@@ -126,6 +144,12 @@ class MySQLDriver(PostgresDriver):
 
     errors = MYSQL_ERRORS
 
+    def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
+        super().__init__(engine, limit=limit, timeout=timeout)
+        # Every connection the hot path holds (idle or in use), from _open until it is
+        # let go (_close_soon, _discard, close): never handed back to the pool as it is.
+        self._conns: dict[PoolProxiedConnection, _Held] = {}
+
     async def _open(self) -> PoolProxiedConnection:
         fairy = await super()._open()
         driver = _driver(fairy)
@@ -144,32 +168,27 @@ class MySQLDriver(PostgresDriver):
             if isinstance(exc, MYSQL_ERRORS.errors):
                 raise MYSQL_ERRORS.translate(exc) from exc
             raise
+        self._conns[fairy] = _Held(driver)
         return fairy
 
     def _gone(self, fairy: PoolProxiedConnection) -> bool:
-        return not _driver(fairy).connected
+        return not self._conns[fairy].driver.connected
 
     def _close_soon(self, fairy: PoolProxiedConnection) -> None:
+        self._conns.pop(fairy, None)
         if fairy.is_valid:
             fairy.invalidate()  # autocommit is on: never back into the pool as it is
         super()._close_soon(fairy)
 
+    async def _discard(self, fairy: PoolProxiedConnection, broken: BaseException) -> None:
+        for victim in (fairy, *self._idle):
+            self._conns.pop(victim, None)
+        await super()._discard(fairy, broken)
+
     async def _run(self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]) -> T:
         fairy = await self._checkout()
-        driver = _driver(fairy)
-        held = fairy.info.get(_PREPARED)
-        if held is not None and held[0] is driver:
-            cache: dict[str, _Prepared] = held[1]
-        else:  # a connection new to the hot path (statement ids die with a connection)
-            cache = {}
-            fairy.info[_PREPARED] = (driver, cache)
-
-        async def prepared(name: str) -> _Prepared:
-            stmt = cache.get(name)
-            if stmt is None:
-                # One extra round trip, the first time this connection runs the statement.
-                stmt = cache[name] = await driver.prepare(MYSQL[name].sql)
-            return stmt
+        held = self._conns[fairy]
+        driver = held.driver
 
         # The operation's bound: a bare timer that hangs up on the server, rather than
         # asyncio.timeout(), whose context manager costs several times the timer's
@@ -179,7 +198,7 @@ class MySQLDriver(PostgresDriver):
         expired: list[bool] = []
         timer = asyncio.get_running_loop().call_later(bound, _hang_up, driver, expired)
         try:
-            result = await op(prepared)
+            result = await op(held.prepared)
         except MYSQL_ERRORS.errors as exc:
             if expired or not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
@@ -253,6 +272,7 @@ class MySQLDriver(PostgresDriver):
         idle, self._idle = self._idle, []
         for fairy in idle:
             self._held -= 1
+            self._conns.pop(fairy, None)
             fairy.invalidate()  # autocommit is on: closed rather than pooled
             await greenlet_spawn(fairy.close)
         await super().close()
