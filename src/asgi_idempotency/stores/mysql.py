@@ -186,8 +186,12 @@ class MySQLDriver(PostgresDriver):
         await super()._discard(fairy, broken)
 
     async def _run(self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]) -> T:
-        fairy = await self._checkout()
-        held = self._conns[fairy]
+        conns, idle = self._conns, self._idle
+        if idle and conns[idle[-1]].driver.connected:
+            fairy = idle.pop()  # the common case, without _checkout's coroutine
+        else:
+            fairy = await self._checkout()
+        held = conns[fairy]
         driver = held.driver
 
         # The operation's bound: a bare timer that hangs up on the server, rather than
