@@ -213,7 +213,8 @@ async def test_an_unreachable_server_is_a_store_error(refused_url: str) -> None:
 async def test_round_trips_per_outcome(
     mariadb_url: str, mstore: SQLStore, tiny: TinyFactory
 ) -> None:
-    """On the wire: one statement per round trip; the claim reads the row only when in the way."""
+    """On the wire: one statement per round trip; the claim returns the row in its way
+    from the same statement (INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING)."""
     proxy = TcpProxy("127.0.0.1", 3306)
     store = SQLStore(proxy.url_for(mariadb_url), pool_size=1)
 
@@ -228,14 +229,38 @@ async def test_round_trips_per_outcome(
         await store.close()
         proxy.close()
     assert {name: trips for name, [trips] in seen.items()} == {
-        "fresh": 2,  # INSERT IGNORE, UPDATE
-        "replay": 2,  # INSERT IGNORE (0 rows), SELECT
-        "mismatch_422": 2,
-        "released_500": 2,  # INSERT IGNORE, DELETE
+        "fresh": 2,  # INSERT (returning the row inserted), UPDATE
+        "replay": 1,  # INSERT (returning the row in the way)
+        "mismatch_422": 1,
+        "released_500": 2,  # INSERT, DELETE
         "unguarded_no_key": 0,
         "unguarded_get": 0,
-        "in_flight_409": 2,
+        "in_flight_409": 1,
     }
+
+
+async def test_round_trips_on_a_mysql_url_keep_insert_ignore_then_select(
+    mariadb_server: MariaDBServer, mariadb_url: str, mstore: SQLStore, tiny: TinyFactory
+) -> None:
+    """A mysql+asyncmy:// URL speaks what MySQL has: INSERT IGNORE, then SELECT when in the way."""
+    proxy = TcpProxy("127.0.0.1", 3306)
+    mysql_url = mariadb_url.replace("mariadb+asyncmy://", "mysql+asyncmy://", 1)
+    store = SQLStore(proxy.url_for(mysql_url), pool_size=1)
+
+    def reset() -> list[int]:
+        trips, proxy.round_trips = proxy.round_trips, 0
+        return [trips]
+
+    try:
+        await _drive(tiny(store), reset, "warm-up")
+        seen = await _drive(tiny(store), reset, "counted")
+    finally:
+        await store.close()
+        proxy.close()
+    assert {name: trips for name, [trips] in seen.items()} == {
+        "fresh": 2, "replay": 2, "mismatch_422": 2, "released_500": 2,
+        "unguarded_no_key": 0, "unguarded_get": 0, "in_flight_409": 2,
+    }  # fmt: skip
 
 
 async def test_hot_path_connections_never_go_back_to_the_pool_in_autocommit(

@@ -1,10 +1,14 @@
-"""MariaDB: the MariaDB/MySQL backend (:mod:`.mysql`) plus transactional mode.
+"""MariaDB: the MariaDB/MySQL backend (:mod:`.mysql`), its claim in one statement, and
+transactional mode.
 
-``SQLStore("mariadb+asyncmy://…")`` serves transactional routes: one SQLAlchemy
-connection per request, whose transaction holds the claim, the handler's writes and
-the completed record (:class:`MariaDBTransaction`). ``mysql+asyncmy://`` URLs keep
-the plain backend: the claim below bounds its lock waits with MariaDB's
-``SET STATEMENT``, which MySQL does not have.
+``SQLStore("mariadb+asyncmy://…")`` claims with ``INSERT ... ON DUPLICATE KEY UPDATE
+... RETURNING`` (MariaDB 10.5 or later), which returns the row inserted or the one in
+the way: one round trip for a replay, 409 or 422, where MySQL's ``INSERT IGNORE``
+then ``SELECT`` take two (:class:`MariaDBDriver`). It serves transactional routes: one
+SQLAlchemy connection per request, whose transaction holds the claim, the handler's
+writes and the completed record (:class:`MariaDBTransaction`). ``mysql+asyncmy://``
+URLs keep the plain backend: MySQL has neither ``RETURNING`` nor the ``SET
+STATEMENT`` that bounds the transactional claim's lock waits.
 
 Nobody waits on a key another request is deciding. Postgres takes a non-blocking
 advisory lock on the key; here the row's own lock serves: the claim is one
@@ -23,7 +27,7 @@ first read.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -37,13 +41,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from ..errors import StoreError
 from .base import BUSY, Busy, NewClaim, Record, StoredResponse
 from .codec import encode_headers, mysql_time, to_record
+from .dialect import HotPath, HotPathOptions
 from .mysql import DIALECT as _MYSQL
-from .mysql import _check_claim
+from .mysql import MySQLDriver, _check_claim
 from .postgres import IdempotencyTransaction, own_claim
 from .sqlerrors import MYSQL_ERRORS
-from .statements import COMPLETE, MARIADB_TX_CLAIM, REPLACE, Compiled
+from .statements import COMPLETE, MARIADB_TX_CLAIM, MYSQL, REPLACE, Compiled
 
-__all__ = ["DIALECT", "MariaDBTransaction", "open_transaction"]
+__all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction"]
 
 _LOCK_WAIT_TIMEOUT = 1205
 
@@ -59,6 +64,29 @@ _CLAIM = _no_wait(MARIADB_TX_CLAIM)
 # The claim's own row, locked by this transaction since its claim: nothing to wait for.
 _REPLACE = Compiled(REPLACE, _asyncmy_dialect())
 _COMPLETE = Compiled(COMPLETE, _asyncmy_dialect())
+
+
+class MariaDBDriver(MySQLDriver):
+    """MySQL's hot path, with the claim in one statement that returns the row it met."""
+
+    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
+        """(inserted, the row in the way as :data:`RECORD_COLUMNS`): the statement returns
+        the row inserted (exactly this claim's values) or the one it met. The same answer
+        when it is sent again after its connection broke: its own row, inserted."""
+        _check_claim(values)
+        args = MYSQL["claim_returning"].args(values)
+
+        async def op(prepared: Callable[[str], Awaitable[Any]]) -> Sequence[Any]:
+            rows = (await (await prepared("claim_returning")).execute(args)).rows
+            assert rows  # one row, inserted or met, whichever
+            row: Sequence[Any] = rows[0]
+            return row
+
+        return own_claim(values, await self._send(op))
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    return MariaDBDriver(engine, limit=options.limit, timeout=options.timeout)
 
 
 def _code(exc: DBAPIError) -> int | None:
@@ -167,4 +195,4 @@ async def open_transaction(
         await asyncio.shield(task)
 
 
-DIALECT = replace(_MYSQL, transaction=open_transaction)
+DIALECT = replace(_MYSQL, hot_path=_hot_path, transaction=open_transaction)
