@@ -10,18 +10,12 @@ writes and the completed record (:class:`MariaDBTransaction`). ``mysql+asyncmy:/
 URLs keep the plain backend: MySQL has neither ``RETURNING`` nor the ``SET
 STATEMENT`` that bounds the transactional claim's lock waits.
 
-Nobody waits on a key another request is deciding. Postgres takes a non-blocking
-advisory lock on the key; here the row's own lock serves: the claim is one
-``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING`` (MariaDB 10.5 or later), which
-locks the key's row exclusively, new or met, until the transaction ends, and runs
-with ``innodb_lock_wait_timeout = 0``: a second claim meets that lock with an
-immediate lock wait timeout (1205), answered as :data:`~.base.BUSY` (409). The
-handler's own statements keep the session's wait (``command_timeout``). No lock of
-ours outlives its transaction, none is taken on a gap (a primary key met or
-inserted locks its record alone), and the row a claim judges is the last committed
-one whatever the isolation level (a locking read), so the handler's transaction
-keeps the server's default (REPEATABLE READ) and takes its snapshot at its own
-first read.
+Transactional claims wait on nobody: where Postgres takes a non-blocking advisory
+lock, the claim's own row lock serves (the statement locks the key's row, new or met,
+until the transaction ends), with ``innodb_lock_wait_timeout = 0``, so a key another
+transaction holds answers :data:`~.base.BUSY` (409) at once. No gap lock, no lock past
+the transaction, and the handler keeps the server's isolation level
+(:class:`MariaDBTransaction`).
 """
 
 from __future__ import annotations
@@ -96,6 +90,11 @@ def _code(exc: DBAPIError) -> int | None:
 
 class MariaDBTransaction:
     """One request's transaction: the claim under its row's lock, then the record.
+
+    The claim runs with no lock wait (1205 is :data:`~.base.BUSY`); the handler's
+    statements keep the session's. The row the claim judges is the last committed one
+    (a locking read), so the transaction keeps the server's isolation level and the
+    handler's snapshot, under REPEATABLE READ, begins at its own first read.
 
     Round trips for a first request: the claim (the transaction begins with it), the
     handler's own statements, complete, COMMIT. Replays, 409s and 422s: the claim,
