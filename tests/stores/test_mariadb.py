@@ -525,3 +525,26 @@ async def test_create_all_from_many_processes_at_once_records_the_head_once(
     assert mariadb_server._run(f"SELECT version_num FROM {VERSION_TABLE}", database=name) == [
         (head(),)
     ]
+
+
+def test_a_mariadb_url_refuses_a_server_older_than_10_5_naming_the_mysql_url() -> None:
+    """The mariadb+asyncmy:// claim is INSERT ... RETURNING (MariaDB 10.5+): an older
+    server is refused at startup (prepare), not answered 503 on every request."""
+    from asgi_idempotency.stores.mariadb import server_problem
+
+    problem = server_problem((10, 4, 32, "MariaDB"))
+    assert problem is not None
+    assert "MariaDB 10.4.32" in problem
+    assert "mysql+asyncmy://" in problem
+    assert server_problem((10, 5, 0)) is None
+    assert server_problem((11, 4, 2)) is None
+    assert server_problem(None) is None  # not connected yet: nothing known
+
+
+async def test_prepare_passes_on_this_server(mariadb_url: str) -> None:
+    store = SQLStore(mariadb_url)
+    try:
+        await store.prepare()
+        assert store.engine.dialect.server_version_info is not None
+    finally:
+        await store.close()

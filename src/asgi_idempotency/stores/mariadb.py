@@ -42,7 +42,7 @@ from .postgres import IdempotencyTransaction, own_claim
 from .sqlerrors import MYSQL_ERRORS
 from .statements import COMPLETE, MARIADB_TX_CLAIM, MYSQL, REPLACE, Compiled
 
-__all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction"]
+__all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction", "server_problem"]
 
 _LOCK_WAIT_TIMEOUT = 1205
 
@@ -194,4 +194,19 @@ async def open_transaction(
         await asyncio.shield(task)
 
 
-DIALECT = replace(_MYSQL, hot_path=_hot_path, transaction=open_transaction)
+def server_problem(version: tuple[Any, ...] | None) -> str | None:
+    """Why a server cannot serve a ``mariadb+asyncmy://`` store, or None: ``RETURNING`` on
+    an insert came with MariaDB 10.5."""
+    if version is None or tuple(version[:2]) >= (10, 5):
+        return None
+    found = ".".join(str(part) for part in version[:3])
+    return (
+        f"the server is MariaDB {found}; the claim's INSERT ... RETURNING needs MariaDB "
+        "10.5 or later (a mysql+asyncmy:// URL serves older servers, without "
+        "transactional mode)"
+    )
+
+
+DIALECT = replace(
+    _MYSQL, hot_path=_hot_path, transaction=open_transaction, server_problem=server_problem
+)
