@@ -10,9 +10,13 @@
 - ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
   one statement for a replay, 409 or 422, two for a first request, nothing else;
 - ``floor_sqlite``: the same guard on one raw aiosqlite connection;
-- ``floor_mariadb``: the same guard on raw asyncmy: autocommit connections, the store's
-  own statements (``INSERT IGNORE``, the ``SELECT`` of the row in the way only when it
-  did not insert, the fenced ``UPDATE``) as server-side prepared statements;
+- ``floor_mariadb``: the same guard on raw asyncmy: a pool of autocommit connections,
+  the statements a ``mysql+asyncmy://`` store sends (``INSERT IGNORE``, the ``SELECT`` of
+  the row in the way only when it did not insert, the fenced ``UPDATE``) as server-side
+  prepared statements;
+- ``floor_mariadb_returning``: the same with the claim a ``mariadb+asyncmy://`` store
+  sends, one ``INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING`` (the token, to tell
+  its own row, and the five columns the floor reads);
 - ``floor_memory``: the same guard on a dict: what any guard that buffers and
   captures costs in front of this handler, with no store I/O at all;
 - ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
@@ -236,6 +240,13 @@ MARIADB_SELECT = """
 SELECT request_hash, status, response_status, response_headers, response_body
 FROM idempotency_records WHERE `key` = ?
 """
+MARIADB_CLAIM_RETURNING = """
+INSERT INTO idempotency_records
+    (`key`, request_hash, status, token, created_at, locked_until, expires_at)
+VALUES (?, ?, 'in_progress', ?, ?, ?, ?)
+ON DUPLICATE KEY UPDATE `key` = `key`
+RETURNING token, request_hash, status, response_status, response_headers, response_body
+"""
 MARIADB_COMPLETE = """
 UPDATE idempotency_records SET status = 'completed', expires_at = ?, response_status = ?,
        response_headers = ?, response_body = ?
@@ -255,8 +266,9 @@ class _MariaDBBackend:
     are the faster), and no ``read_timeout`` (with one, asyncmy waits for every read
     through ``asyncio.wait_for`` and skips its fast path for prepared statements)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, returning: bool = False) -> None:
         self.url = url
+        self.returning = returning
         self.free: asyncio.Queue[tuple[Any, Any, Any, Any]] = asyncio.Queue()
         self.conns: list[Any] = []
 
@@ -271,7 +283,8 @@ class _MariaDBBackend:
                 database=u.database, autocommit=True,
             )  # fmt: skip
             self.conns.append(conn)
-            sqls = (MARIADB_CLAIM, MARIADB_SELECT, MARIADB_COMPLETE)
+            claim = MARIADB_CLAIM_RETURNING if self.returning else MARIADB_CLAIM
+            sqls = (claim, MARIADB_SELECT, MARIADB_COMPLETE)
             stmts = [await conn.prepare(sql) for sql in sqls]  # type: ignore[no-untyped-call]
             self.free.put_nowait((conn, *stmts))
 
@@ -283,6 +296,9 @@ class _MariaDBBackend:
         args = (key, h, token, _naive_utc(now), _naive_utc(now + LEASE), _naive_utc(now + TTL))
         held = await self.free.get()
         try:
+            if self.returning:
+                row = (await held[1].execute(args)).rows[0]
+                return (True,) if row[0] == token else (False, *row[1:])
             if (await held[1].execute(args)).affected_rows == 1:
                 return (True,)
             rows = (await held[2].execute((key,))).rows
@@ -494,7 +510,10 @@ def create() -> Starlette:
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )
-    elif variant in ("floor_pg", "floor_sqlite", "floor_memory", "floor_redis", "floor_mariadb"):
+    elif variant in (
+        "floor_pg", "floor_sqlite", "floor_memory", "floor_redis", "floor_mariadb",
+        "floor_mariadb_returning",
+    ):  # fmt: skip
         backend: Backend
         if variant == "floor_redis":
             backend = _RedisBackend(redis_url)
@@ -502,8 +521,8 @@ def create() -> Starlette:
             backend = _PgBackend(pg_url.replace("ssl=disable", "sslmode=disable"))
         elif variant == "floor_sqlite":
             backend = _SQLiteBackend(sqlite_path)
-        elif variant == "floor_mariadb":
-            backend = _MariaDBBackend(mariadb_url)
+        elif variant in ("floor_mariadb", "floor_mariadb_returning"):
+            backend = _MariaDBBackend(mariadb_url, returning=variant.endswith("_returning"))
         else:
             backend = _DictBackend()
         starters.append(backend.start)

@@ -418,6 +418,26 @@ async def pg_store(pg_url: str) -> AsyncIterator[SQLStore]:
         yield sql
 
 
+# The SQL backends with transactional mode.
+TX_KINDS = [
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+]
+
+
+@pytest.fixture(params=TX_KINDS)
+def tx_url(request: pytest.FixtureRequest) -> str:
+    """The URL of each SQL backend with transactional mode, its schema and demo table made."""
+    return str(request.getfixturevalue("pg_url" if request.param == "postgres" else "mariadb_url"))
+
+
+@pytest.fixture
+async def tx_store(tx_url: str) -> AsyncIterator[SQLStore]:
+    """An emptied store on each SQL backend with transactional mode."""
+    async with emptied(SQLStore(tx_url)) as sql:
+        yield sql
+
+
 @pytest.fixture
 def refused_url() -> Iterator[str]:
     """A loopback base URL that refuses connections (a ``ConnectError``: nothing is sent).

@@ -25,7 +25,7 @@ from asgi_idempotency.transactional import get_connection, get_session
 from tests.conftest import truncate
 from tests.serving import run_uvicorn
 
-pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+pytestmark = [pytest.mark.anyio]
 
 TX = Policy(required=True, transactional=True)
 IDLE_IN_TRANSACTION = (
@@ -50,6 +50,7 @@ def tx_app(
     failures: list[str] | None = None,
     *,
     entered: asyncio.Event | None = None,
+    mode: Any = "enforce",
 ) -> Starlette:
     """``failures`` scripts how the next calls fail, so a retry can send the same body.
 
@@ -73,11 +74,14 @@ def tx_app(
             return JSONResponse({"error": "downstream"}, status_code=500)
         if body.get("mode") == "cut":
             # The database connection dies between the handler's write and the commit.
-            pid = (
-                await get_connection(request).execute(text("SELECT pg_backend_pid()"))
-            ).scalar_one()
+            pg = store.dialect == "postgresql"
+            own_id = "SELECT pg_backend_pid()" if pg else "SELECT CONNECTION_ID()"
+            pid = (await get_connection(request).execute(text(own_id))).scalar_one()
             async with store.engine.connect() as other:
-                await other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                if pg:
+                    await other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+                else:
+                    await other.execute(text(f"KILL {int(pid)}"))
                 await other.commit()
         if body.get("wait"):
             await asyncio.sleep(body["wait"])
@@ -91,6 +95,7 @@ def tx_app(
                 store=store,
                 principal=ANONYMOUS,
                 policies={"POST /refunds": TX},
+                mode=mode,
             )
         ],
     )
@@ -100,9 +105,9 @@ def client(app: Starlette, **kw: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", **kw)
 
 
-async def test_success_commits_the_write_and_the_record_together(pg_store: SQLStore) -> None:
+async def test_success_commits_the_write_and_the_record_together(tx_store: SQLStore) -> None:
     calls: list[str] = []
-    async with client(tx_app(pg_store, calls)) as c:
+    async with client(tx_app(tx_store, calls)) as c:
         first = await c.post("/refunds", json={"amount": 5}, headers={"Idempotency-Key": "a"})
         again = await c.post("/refunds", json={"amount": 5}, headers={"Idempotency-Key": "a"})
         other = await c.post("/refunds", json={"amount": 6}, headers={"Idempotency-Key": "a"})
@@ -111,49 +116,64 @@ async def test_success_commits_the_write_and_the_record_together(pg_store: SQLSt
     assert again.headers["idempotent-replayed"] == "true"
     assert other.status_code == 422
     assert calls == ["ok"]
-    assert await refund_rows(pg_store) == 1
-    assert [r.status for r in await record_rows(pg_store)] == ["completed"]
+    assert await refund_rows(tx_store) == 1
+    assert [r.status for r in await record_rows(tx_store)] == ["completed"]
 
 
 @pytest.mark.parametrize("mode", ["raise", "500"])
 async def test_failure_after_writing_leaves_nothing_and_the_retry_succeeds(
-    pg_store: SQLStore, mode: str
+    tx_store: SQLStore, mode: str
 ) -> None:
     calls: list[str] = []
     key = {"Idempotency-Key": "b"}
-    async with client(tx_app(pg_store, calls, failures=[mode])) as c:
+    async with client(tx_app(tx_store, calls, failures=[mode])) as c:
         if mode == "raise":
             with pytest.raises(RuntimeError):
                 await c.post("/refunds", json={"amount": 5}, headers=key)
         else:
             assert (await c.post("/refunds", json={"amount": 5}, headers=key)).status_code == 500
-        assert await refund_rows(pg_store) == 0
-        assert await record_rows(pg_store) == []
+        assert await refund_rows(tx_store) == 0
+        assert await record_rows(tx_store) == []
         retry = await c.post("/refunds", json={"amount": 5}, headers=key)
     assert retry.status_code == 201
     assert calls == [mode, "ok"]
-    assert await refund_rows(pg_store) == 1
+    assert await refund_rows(tx_store) == 1
 
 
-async def test_connection_cut_mid_handler_rolls_back_and_answers_503(pg_store: SQLStore) -> None:
+async def test_report_mode_runs_a_retry_whose_writes_commit_alone(tx_store: SQLStore) -> None:
+    """Report mode: the retry of a completed key runs again (as unguarded), in a
+    transaction of its own whose writes commit without touching the record."""
     calls: list[str] = []
-    async with client(tx_app(pg_store, calls)) as c:
+    key = {"Idempotency-Key": "rep"}
+    async with client(tx_app(tx_store, calls, mode="report")) as c:
+        first = await c.post("/refunds", json={"amount": 5}, headers=key)
+        again = await c.post("/refunds", json={"amount": 5}, headers=key)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert "idempotent-replayed" not in again.headers
+    assert calls == ["ok", "ok"]
+    assert await refund_rows(tx_store) == 2
+    assert [r.status for r in await record_rows(tx_store)] == ["completed"]
+
+
+async def test_connection_cut_mid_handler_rolls_back_and_answers_503(tx_store: SQLStore) -> None:
+    calls: list[str] = []
+    async with client(tx_app(tx_store, calls)) as c:
         cut = await c.post(
             "/refunds", json={"amount": 5, "mode": "cut"}, headers={"Idempotency-Key": "c"}
         )
         assert cut.status_code == 503
         assert cut.headers["content-type"] == "application/problem+json"
-        assert await refund_rows(pg_store) == 0
-        assert await record_rows(pg_store) == []
+        assert await refund_rows(tx_store) == 0
+        assert await record_rows(tx_store) == []
         retry = await c.post("/refunds", json={"amount": 5}, headers={"Idempotency-Key": "c"})
     assert retry.status_code == 201
-    assert await refund_rows(pg_store) == 1
+    assert await refund_rows(tx_store) == 1
 
 
-async def test_storm_never_waits_on_the_first_requests_lock(pg_store: SQLStore) -> None:
+async def test_storm_never_waits_on_the_first_requests_lock(tx_store: SQLStore) -> None:
     calls: list[str] = []
     entered = asyncio.Event()
-    async with client(tx_app(pg_store, calls, entered=entered)) as c:
+    async with client(tx_app(tx_store, calls, entered=entered)) as c:
 
         async def one() -> tuple[httpx.Response, float]:
             t0 = time.monotonic()
@@ -176,14 +196,14 @@ async def test_storm_never_waits_on_the_first_requests_lock(pg_store: SQLStore) 
         mismatch.status_code == 409
     )  # a different body while in flight: its claim is not visible yet
     assert calls == ["ok"]
-    assert await refund_rows(pg_store) == 1
+    assert await refund_rows(tx_store) == 1
 
 
-async def test_round_trips_of_a_transactional_first_request(pg_store: SQLStore) -> None:
-    """BEGIN, claim (lock folded in), the handler's one insert, complete, COMMIT: five."""
-    await pg_store.prepare()  # the one-time schema check, as lifespan startup would run it
+async def test_round_trips_of_a_transactional_first_request(tx_store: SQLStore) -> None:
+    """Postgres: BEGIN, claim (lock folded in), the handler's one insert, complete, COMMIT."""
+    await tx_store.prepare()  # the one-time schema check, as lifespan startup would run it
     seen: list[str] = []
-    sync_engine = pg_store.engine.sync_engine
+    sync_engine = tx_store.engine.sync_engine
 
     def on_execute(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         seen.append(statement.split()[0].upper())
@@ -198,7 +218,7 @@ async def test_round_trips_of_a_transactional_first_request(pg_store: SQLStore) 
     event.listen(sync_engine, "begin", on_begin)
     event.listen(sync_engine, "commit", on_commit)
     try:
-        async with client(tx_app(pg_store, [])) as c:
+        async with client(tx_app(tx_store, [])) as c:
             await c.post("/refunds", json={"amount": 5}, headers={"Idempotency-Key": "rt"})
             first = list(seen)
             seen.clear()
@@ -208,8 +228,14 @@ async def test_round_trips_of_a_transactional_first_request(pg_store: SQLStore) 
         event.remove(sync_engine, "before_cursor_execute", on_execute)
         event.remove(sync_engine, "begin", on_begin)
         event.remove(sync_engine, "commit", on_commit)
-    assert first == ["BEGIN", "WITH", "INSERT", "UPDATE", "COMMIT"]
-    assert replay == ["BEGIN", "WITH"]  # then ROLLBACK as the connection returns to the pool
+    if tx_store.dialect == "postgresql":
+        assert first == ["BEGIN", "WITH", "INSERT", "UPDATE", "COMMIT"]
+        assert replay == ["BEGIN", "WITH"]  # then ROLLBACK as the connection returns to the pool
+    else:
+        # MariaDB: BEGIN sends nothing (the claim begins the transaction), and the claim
+        # (SET STATEMENT ... FOR INSERT ... RETURNING) returns the row it met.
+        assert first == ["BEGIN", "SET", "INSERT", "UPDATE", "COMMIT"]
+        assert replay == ["BEGIN", "SET"]
 
 
 def test_refused_at_start_up_on_other_stores() -> None:
@@ -253,38 +279,38 @@ async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
     assert "needs SQLStore on Postgres" in sent[0]["message"]
 
 
-async def _kill_after_write(pg_url: str, *, transactional: bool) -> tuple[int, int]:
-    store = SQLStore(pg_url)
+async def _kill_after_write(tx_url: str, *, transactional: bool) -> tuple[int, int]:
+    store = SQLStore(tx_url)
     await truncate(store)
     await store.close()
-    return await kill_after_write(pg_url, transactional=transactional, say=lambda _: None)
+    return await kill_after_write(tx_url, transactional=transactional, say=lambda _: None)
 
 
 @pytest.mark.slow
 async def test_sigkill_after_write_transactional_leaves_nothing_and_retry_runs_once(
-    pg_url: str, tmp_path: Path
+    tx_url: str, tmp_path: Path
 ) -> None:
-    after_kill, final = await _kill_after_write(pg_url, transactional=True)
+    after_kill, final = await _kill_after_write(tx_url, transactional=True)
     assert after_kill == 0
     assert final == 1
 
 
 @pytest.mark.slow
 async def test_sigkill_after_write_default_mode_duplicates_after_the_lease(
-    pg_url: str, tmp_path: Path
+    tx_url: str, tmp_path: Path
 ) -> None:
-    after_kill, final = await _kill_after_write(pg_url, transactional=False)
+    after_kill, final = await _kill_after_write(tx_url, transactional=False)
     assert after_kill == 1  # the effect committed on its own
     assert final == 2  # the abandoned claim was taken over and the refund ran again
 
 
 @pytest.mark.slow
-async def test_transactional_storm_across_four_workers(pg_url: str, tmp_path: Path) -> None:
-    store = SQLStore(pg_url)
+async def test_transactional_storm_across_four_workers(tx_url: str, tmp_path: Path) -> None:
+    store = SQLStore(tx_url)
     from tests.conftest import truncate
 
     await truncate(store)
-    env = {"IDEMPOTENCY_DEMO_DATABASE_URL": pg_url, "IDEMPOTENCY_DEMO_TRANSACTIONAL": "1"}
+    env = {"IDEMPOTENCY_DEMO_DATABASE_URL": tx_url, "IDEMPOTENCY_DEMO_TRANSACTIONAL": "1"}
     try:
         with run_uvicorn(
             "asgi_idempotency.demo:app", env=env, log_dir=tmp_path, workers=4

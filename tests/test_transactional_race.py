@@ -1,4 +1,5 @@
-"""Transactional claims against a rival whose commit lands inside the claim statement.
+"""Transactional claims against a rival whose commit lands inside the claim statement
+(Postgres), and against a rival holding the key's row (MariaDB).
 
 The interleaving of the issue, driven rather than hoped for: a claim statement takes
 its snapshot, a rival's write to the same key commits, and only then does the claim's
@@ -33,7 +34,7 @@ from asgi_idempotency.errors import StoreError
 from tests.conftest import truncate
 from tests.test_transactional import client, refund_rows, tx_app
 
-pytestmark = [pytest.mark.anyio, pytest.mark.postgres]
+pytestmark = [pytest.mark.anyio]
 
 KEY = {"Idempotency-Key": "race"}
 BODY = {"amount": 5}
@@ -150,6 +151,7 @@ async def _assert_not_run_again(
         assert answer.content == first.content
 
 
+@pytest.mark.postgres
 @pytest.mark.parametrize("status", ["in_progress", "completed"])
 async def test_a_rival_insert_committed_after_the_claims_snapshot_is_seen(
     pg_store: SQLStore, rival: asyncpg.Connection, status: str
@@ -171,6 +173,7 @@ async def test_a_rival_insert_committed_after_the_claims_snapshot_is_seen(
     assert statements == ["WITH", "WITH"]  # the claim, asked again once: no other cost
 
 
+@pytest.mark.postgres
 @pytest.mark.parametrize("status", ["in_progress", "completed"])
 async def test_a_rival_take_over_committed_after_the_claims_snapshot_is_seen(
     pg_store: SQLStore, rival: asyncpg.Connection, status: str
@@ -202,6 +205,7 @@ async def test_a_rival_take_over_committed_after_the_claims_snapshot_is_seen(
     assert statements == ["WITH", "UPDATE", "WITH"]  # claim, failed swap, claim again
 
 
+@pytest.mark.postgres
 @pytest.mark.parametrize("row", ["the rival's", "none"])
 async def test_commit_refuses_when_the_record_is_not_its_claim(
     pg_store: SQLStore, rival: asyncpg.Connection, row: str
@@ -230,4 +234,125 @@ async def test_commit_refuses_when_the_record_is_not_its_claim(
             )
     assert await refund_rows(pg_store) == 0
     left = [tuple(r) for r in await rival.fetch("SELECT token, status FROM idempotency_records")]
+    assert left == ([(RIVAL_TOKEN, "in_progress")] if row == "the rival's" else [])
+
+
+# MariaDB. The claim never waits for a rival (mariadb.py): a row another transaction
+# holds, inserted or taken over and not committed yet, answers 409 at once, and once
+# the rival commits, the claim sees its row. The rival is a raw asyncmy connection.
+
+
+@pytest.fixture
+async def mrival(mariadb_url: str) -> AsyncIterator[Any]:
+    """A MariaDB connection of its own, outside the store's pool, in a transaction."""
+    import asyncmy
+
+    u = make_url(mariadb_url)
+    conn = await asyncmy.connect(
+        host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+        database=u.database, autocommit=False,
+    )  # fmt: skip
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+async def mstore(mariadb_url: str) -> AsyncIterator[SQLStore]:
+    from tests.conftest import emptied
+
+    async with emptied(SQLStore(mariadb_url)) as store:
+        yield store
+
+
+async def _m(rival: Any, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    async with rival.cursor() as cur:
+        await cur.execute(sql, args)
+        return list(await cur.fetchall())
+
+
+async def _mprobe(store: SQLStore, rival: Any) -> tuple[httpx.Response, tuple[Any, ...]]:
+    async with client(tx_app(store, [])) as c:
+        first = await c.post("/refunds", json=BODY, headers=KEY)
+    assert first.status_code == 201
+    [row] = await _m(rival, f"SELECT {MCOLUMNS} FROM idempotency_records")
+    await rival.commit()  # ends the read's snapshot
+    await truncate(store)
+    return first, row
+
+
+def _mrow(probe: tuple[Any, ...], status: str) -> tuple[Any, ...]:
+    now = datetime.now(UTC).replace(tzinfo=None)  # DATETIME(6) in UTC
+    completed = status == "completed"
+    return (
+        probe[0], probe[1], status, RIVAL_TOKEN, now,
+        now + timedelta(hours=1), now + timedelta(days=1),
+        *(probe[7:] if completed else (None, None, None)),
+    )  # fmt: skip
+
+
+MCOLUMNS = COLUMNS.replace("key,", "`key`,", 1)  # a reserved word in MariaDB
+_MINSERT = f"INSERT INTO idempotency_records ({MCOLUMNS}) VALUES ({', '.join(['%s'] * 10)})"
+
+
+@pytest.mark.mariadb
+@pytest.mark.parametrize("status", ["in_progress", "completed"])
+@pytest.mark.parametrize("rival_write", ["insert", "take-over"])
+async def test_mariadb_a_rival_holding_the_row_answers_409_at_once_then_its_row(
+    mstore: SQLStore, mrival: Any, status: str, rival_write: str
+) -> None:
+    first, probe = await _mprobe(mstore, mrival)
+    row = _mrow(probe, status)
+    if rival_write == "take-over":
+        expired = datetime.now(UTC).replace(tzinfo=None) - timedelta(seconds=1)
+        await _m(mrival, _MINSERT, *probe[:4], expired, expired, expired, *probe[7:])
+        await mrival.commit()
+        await _m(
+            mrival,
+            "UPDATE idempotency_records SET status = %s, token = %s, created_at = %s,"
+            " locked_until = %s, expires_at = %s, response_status = %s, response_headers = %s,"
+            " response_body = %s WHERE `key` = %s",
+            *row[2:], row[0],
+        )  # fmt: skip
+    else:
+        await _m(mrival, _MINSERT, *row)
+    await _m(mrival, "INSERT INTO demo_refunds (id, order_id, amount) VALUES ('first', '1', 5)")
+    calls: list[str] = []
+    async with client(tx_app(mstore, calls)) as c:
+        started = asyncio.get_running_loop().time()
+        held = await c.post("/refunds", json=BODY, headers=KEY)
+        waited = asyncio.get_running_loop().time() - started
+        await mrival.commit()
+        after = await c.post("/refunds", json=BODY, headers=KEY)
+    # Not after the session's lock wait (command_timeout, 5 s): the claim waits for nothing.
+    assert (held.status_code, calls) == (409, [])
+    assert waited < 2.0
+    await _assert_not_run_again(mstore, after, first, status, calls)
+
+
+@pytest.mark.mariadb
+@pytest.mark.parametrize("row", ["the rival's", "none"])
+async def test_mariadb_commit_refuses_when_the_record_is_not_its_claim(
+    mstore: SQLStore, mrival: Any, row: str
+) -> None:
+    """As on Postgres: a commit in the name of a token that does not own the row
+    rolls the handler's writes back."""
+    key = "k" * 64
+    now = datetime.now(UTC)
+    if row == "the rival's":
+        naive = now.replace(tzinfo=None)
+        await _m(
+            mrival, _MINSERT, key, "h", "in_progress", RIVAL_TOKEN, naive,
+            naive + timedelta(hours=1), naive + timedelta(days=1), None, None, None,
+        )  # fmt: skip
+        await mrival.commit()
+    async with mstore.transaction() as tx:
+        await tx.state.session.execute(insert(refunds).values(id="second", order_id="1", amount=5))
+        with pytest.raises(StoreError):
+            await tx.commit(
+                key, "b" * 32, StoredResponse(201, (), b"{}"), expires_at=now + timedelta(days=1)
+            )
+    assert await refund_rows(mstore) == 0
+    left = await _m(mrival, "SELECT token, status FROM idempotency_records")
     assert left == ([(RIVAL_TOKEN, "in_progress")] if row == "the rival's" else [])

@@ -6,7 +6,7 @@ Configured from the environment so that ``uvicorn asgi_idempotency.demo:app
 - ``IDEMPOTENCY_DEMO_DATABASE_URL``: store and refunds table (default ``sqlite+aiosqlite:///./idempotency-demo.db``)
 - ``IDEMPOTENCY_DEMO_GUARDED``: ``0`` serves without the middleware (default ``1``)
 - ``IDEMPOTENCY_DEMO_LEASE``: lease in seconds (default 30)
-- ``IDEMPOTENCY_DEMO_TRANSACTIONAL``: ``1`` writes refunds in the idempotency transaction (Postgres)
+- ``IDEMPOTENCY_DEMO_TRANSACTIONAL``: ``1`` writes refunds in the idempotency transaction
 """
 
 from __future__ import annotations
@@ -191,6 +191,12 @@ _IDLE_IN_TRANSACTION = text(
     "SELECT count(*) FROM pg_stat_activity"
     " WHERE state LIKE 'idle in transaction%' AND datname = current_database()"
 )
+# MariaDB: the open InnoDB transactions of this database's sessions.
+_OPEN_TRANSACTIONS = text(
+    "SELECT count(*) FROM information_schema.innodb_trx t"
+    " JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id"
+    " WHERE p.db = DATABASE() AND p.id <> CONNECTION_ID()"
+)
 
 
 async def kill_after_write(
@@ -198,7 +204,7 @@ async def kill_after_write(
 ) -> tuple[int, int]:
     """SIGKILL a worker between its refund write and its answer, then retry after the lease.
 
-    Needs Postgres. Returns (refunds right after the kill, refunds after the retry):
+    Needs Postgres or MariaDB. Returns (refunds right after the kill, refunds after the retry):
     (1, 2) in the default mode — the abandoned claim is taken over and the refund
     runs again — and (0, 1) in transactional mode, where the write died with the claim.
     """
@@ -221,9 +227,12 @@ async def kill_after_write(
     body = {"amount": 4500, "after": 2}  # the refund is written 2 s before the answer
     key = {"Idempotency-Key": f"kill-after-write-{uuid.uuid4().hex[:8]}"}
 
+    pg = store.dialect == "postgresql"
+    open_transactions = _IDLE_IN_TRANSACTION if pg else _OPEN_TRANSACTIONS
+
     async def busy() -> bool:
         async with store.engine.connect() as conn:
-            in_tx = (await conn.execute(_IDLE_IN_TRANSACTION)).scalar_one()
+            in_tx = (await conn.execute(open_transactions)).scalar_one()
         return bool(in_tx) or await count_refunds(store) > before
 
     try:
@@ -246,7 +255,7 @@ async def kill_after_write(
                         await pending
                     except httpx.TransportError:
                         say(f"[{mode}] connection lost: the client cannot tell what happened")
-            for _ in range(100):  # Postgres notices the dead backend and rolls it back
+            for _ in range(100):  # the server notices the dead session and rolls it back
                 if not await busy() or not transactional:
                     break
                 await asyncio.sleep(0.05)

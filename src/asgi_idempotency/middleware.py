@@ -540,8 +540,8 @@ class IdempotencyMiddleware:
         )
         if why:
             raise ValueError(
-                "Policy(transactional=True) needs SQLStore on Postgres "
-                f"(postgresql+asyncpg://...): {why}"
+                "Policy(transactional=True) needs SQLStore on Postgres or MariaDB "
+                f"(postgresql+asyncpg://... or mariadb+asyncmy://...): {why}"
             )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -2,17 +2,20 @@
 
 :class:`asgi_idempotency.testing.StoreContract` is what users run on their own
 stores; here its ``store`` fixture is every kind of ours (tests/conftest.py's
-:data:`~tests.conftest.STORE_KINDS`), and Postgres runs it again with its claims
-made in transactions, as the transactional mode makes them.
+:data:`~tests.conftest.STORE_KINDS`), and Postgres and MariaDB run it again with their
+claims made in transactions, as the transactional mode makes them.
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import pytest
 
 from asgi_idempotency import SQLStore
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.testing import StoreContract
+from tests.conftest import emptied
 
 
 class TestEveryStore(StoreContract):
@@ -28,3 +31,13 @@ class TestPostgresTransactional(StoreContract):
     @pytest.fixture
     def store(self, pg_store: SQLStore) -> Store:
         return pg_store  # emptied
+
+
+@pytest.mark.mariadb
+class TestMariaDBTransactional(StoreContract):
+    transactional = True
+
+    @pytest.fixture
+    async def store(self, mariadb_url: str) -> AsyncIterator[Store]:
+        async with emptied(SQLStore(mariadb_url)) as opened:
+            yield opened

@@ -117,8 +117,11 @@ async def test_both_spellings_serve_and_set_the_server_side_limits(
         assert claimed.outcome is ClaimOutcome.CLAIMED
         assert await store.release(key, t)
         reason = store.transactions_unavailable
-        assert reason is not None
-        assert store.dialect in reason
+        if store.dialect == "mariadb":  # transactional mode: MariaDB's URLs only
+            assert reason is None
+        else:
+            assert reason is not None
+            assert store.dialect in reason
     finally:
         await store.close()
 
@@ -210,7 +213,8 @@ async def test_an_unreachable_server_is_a_store_error(refused_url: str) -> None:
 async def test_round_trips_per_outcome(
     mariadb_url: str, mstore: SQLStore, tiny: TinyFactory
 ) -> None:
-    """On the wire: one statement per round trip; the claim reads the row only when in the way."""
+    """On the wire: one statement per round trip; the claim returns the row in its way
+    from the same statement (INSERT ... ON DUPLICATE KEY UPDATE ... RETURNING)."""
     proxy = TcpProxy("127.0.0.1", 3306)
     store = SQLStore(proxy.url_for(mariadb_url), pool_size=1)
 
@@ -225,14 +229,38 @@ async def test_round_trips_per_outcome(
         await store.close()
         proxy.close()
     assert {name: trips for name, [trips] in seen.items()} == {
-        "fresh": 2,  # INSERT IGNORE, UPDATE
-        "replay": 2,  # INSERT IGNORE (0 rows), SELECT
-        "mismatch_422": 2,
-        "released_500": 2,  # INSERT IGNORE, DELETE
+        "fresh": 2,  # INSERT (returning the row inserted), UPDATE
+        "replay": 1,  # INSERT (returning the row in the way)
+        "mismatch_422": 1,
+        "released_500": 2,  # INSERT, DELETE
         "unguarded_no_key": 0,
         "unguarded_get": 0,
-        "in_flight_409": 2,
+        "in_flight_409": 1,
     }
+
+
+async def test_round_trips_on_a_mysql_url_keep_insert_ignore_then_select(
+    mariadb_server: MariaDBServer, mariadb_url: str, mstore: SQLStore, tiny: TinyFactory
+) -> None:
+    """A mysql+asyncmy:// URL speaks what MySQL has: INSERT IGNORE, then SELECT when in the way."""
+    proxy = TcpProxy("127.0.0.1", 3306)
+    mysql_url = mariadb_url.replace("mariadb+asyncmy://", "mysql+asyncmy://", 1)
+    store = SQLStore(proxy.url_for(mysql_url), pool_size=1)
+
+    def reset() -> list[int]:
+        trips, proxy.round_trips = proxy.round_trips, 0
+        return [trips]
+
+    try:
+        await _drive(tiny(store), reset, "warm-up")
+        seen = await _drive(tiny(store), reset, "counted")
+    finally:
+        await store.close()
+        proxy.close()
+    assert {name: trips for name, [trips] in seen.items()} == {
+        "fresh": 2, "replay": 2, "mismatch_422": 2, "released_500": 2,
+        "unguarded_no_key": 0, "unguarded_get": 0, "in_flight_409": 2,
+    }  # fmt: skip
 
 
 async def test_hot_path_connections_never_go_back_to_the_pool_in_autocommit(
@@ -458,9 +486,11 @@ async def test_the_hot_path_bounds_its_operations_and_core_keeps_the_read_timeou
         assert cast(Any, raw.driver_connection)._read_timeout is not None
 
 
-def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
+def test_a_transactional_policy_on_a_mysql_url_is_refused_naming_the_mariadb_url(
     mariadb_url: str,
 ) -> None:
+    """MariaDB's transactional claim bounds its lock waits with SET STATEMENT, which MySQL
+    lacks: a mysql+asyncmy:// URL (whatever the server) is refused at construction."""
     from starlette.responses import Response
     from starlette.types import Receive, Scope, Send
 
@@ -469,12 +499,15 @@ def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await Response()(scope, receive, send)
 
-    store = SQLStore(mariadb_url)  # never used: nothing to close on a loop
-    with pytest.raises(ValueError, match="needs SQLStore on Postgres") as caught:
-        IdempotencyMiddleware(
-            app, store=store, principal=ANONYMOUS, policies={"POST /x": Policy(transactional=True)}
-        )
-    assert "SQLStore on mariadb does not hold the claim" in str(caught.value)
+    policies = {"POST /x": Policy(transactional=True)}
+    mysql_url = mariadb_url.replace("mariadb+asyncmy://", "mysql+asyncmy://", 1)
+    store = SQLStore(mysql_url)  # never used: nothing to close on a loop
+    with pytest.raises(ValueError, match="needs SQLStore on Postgres or MariaDB") as caught:
+        IdempotencyMiddleware(app, store=store, principal=ANONYMOUS, policies=policies)
+    assert "SQLStore on mysql does not hold the claim" in str(caught.value)
+    assert "use a mariadb+asyncmy:// URL" in str(caught.value)
+    # The same server through a mariadb+asyncmy:// URL serves them.
+    IdempotencyMiddleware(app, store=SQLStore(mariadb_url), principal=ANONYMOUS, policies=policies)
 
 
 async def test_create_all_from_many_processes_at_once_records_the_head_once(
@@ -492,3 +525,26 @@ async def test_create_all_from_many_processes_at_once_records_the_head_once(
     assert mariadb_server._run(f"SELECT version_num FROM {VERSION_TABLE}", database=name) == [
         (head(),)
     ]
+
+
+def test_a_mariadb_url_refuses_a_server_older_than_10_5_naming_the_mysql_url() -> None:
+    """The mariadb+asyncmy:// claim is INSERT ... RETURNING (MariaDB 10.5+): an older
+    server is refused at startup (prepare), not answered 503 on every request."""
+    from asgi_idempotency.stores.mariadb import server_problem
+
+    problem = server_problem((10, 4, 32, "MariaDB"))
+    assert problem is not None
+    assert "MariaDB 10.4.32" in problem
+    assert "mysql+asyncmy://" in problem
+    assert server_problem((10, 5, 0)) is None
+    assert server_problem((11, 4, 2)) is None
+    assert server_problem(None) is None  # not connected yet: nothing known
+
+
+async def test_prepare_passes_on_this_server(mariadb_url: str) -> None:
+    store = SQLStore(mariadb_url)
+    try:
+        await store.prepare()
+        assert store.engine.dialect.server_version_info is not None
+    finally:
+        await store.close()

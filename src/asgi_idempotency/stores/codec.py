@@ -53,9 +53,17 @@ def pg_time(value: datetime) -> datetime:
     return _aware(value)
 
 
+# datetime.combine(date, time[, tzinfo]) rather than .replace(tzinfo=...): the same
+# datetime (fold included), for a fraction of replace's keyword parsing, on every
+# time a row binds or reads.
+_combine = datetime.combine
+
+
 def mysql_time(value: datetime) -> datetime:
     """A time as asyncmy binds it to ``DATETIME(6)``: naive UTC (it would drop an offset)."""
-    return _aware(value).astimezone(UTC).replace(tzinfo=None)
+    if value.tzinfo is not UTC:
+        value = _aware(value).astimezone(UTC)
+    return _combine(value.date(), value.time())  # time(): without its tzinfo
 
 
 def sqlite_time(value: datetime) -> str:
@@ -90,7 +98,7 @@ def as_time(value: Any) -> datetime:
     if isinstance(value, str):
         value = datetime.fromisoformat(value)
     assert isinstance(value, datetime)
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    return value if value.tzinfo is not None else _combine(value.date(), value.time(), UTC)
 
 
 def to_record(key: str, row: Sequence[Any]) -> Record:

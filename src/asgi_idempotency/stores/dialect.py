@@ -121,6 +121,9 @@ class SQLDialect:
         | None
     ) = None
     no_transactions: str = "cannot hold the claim and the handler in one transaction"
+    # Why the connected server cannot serve this backend's statements (too old), from
+    # SQLAlchemy's server_version_info; checked by prepare() at startup.
+    server_problem: Callable[[tuple[Any, ...] | None], str | None] | None = None
 
 
 def pool_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
@@ -149,7 +152,7 @@ BACKENDS = {
     "postgresql": "postgres",
     "sqlite": "sqlite",
     "mysql": "mysql",
-    "mariadb": "mysql",
+    "mariadb": "mariadb",  # the MySQL backend, with transactions
 }
 
 

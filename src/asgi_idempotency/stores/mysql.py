@@ -22,11 +22,12 @@ Timeouts: on an engine the store builds, each connection gets the server-side
 limits (:func:`session_limits`), so the server abandons a statement that runs past
 ``command_timeout`` (rolled back, never committed after the client's 503). The
 backstop for a server that does not answer at all is a second later, so that the
-server's own limit answers first: on the hot path, one timer around each operation
-that closes the connection when it fires; on SQLAlchemy's own connections, asyncmy's
-``read_timeout``. Either way a :class:`StoreError`, and the connection is closed and
-dropped. The hot path turns
-``read_timeout`` off on the connections it keeps: with one set, asyncmy waits for
+server's own limit answers first: on the hot path, a watchdog that closes the
+connection of an operation past that bound (within a quarter of a second: it looks
+four times a second while operations are in flight); on SQLAlchemy's own
+connections, asyncmy's ``read_timeout``. Either way a :class:`StoreError`, and the
+connection is closed and dropped. The hot path turns ``read_timeout`` off on the
+connections it keeps: with one set, asyncmy waits for
 every read through ``asyncio.wait_for`` (a task of its own each time) and skips its
 fast path for prepared statements' replies.
 """
@@ -89,8 +90,27 @@ class _Connection(Protocol):
     async def prepare(self, query: str) -> _Prepared: ...
 
 
-# The prepared statements of one driver connection, in its pool record's ``info``.
-_PREPARED = "asgi_idempotency.mysql.prepared"
+class _Held:
+    """A hot-path connection's driver and prepared statements, found by its pool proxy.
+
+    Read once per operation with one dict lookup, where the proxy's
+    ``driver_connection`` is a chain of properties through SQLAlchemy's pool.
+    """
+
+    __slots__ = ("driver", "expired", "statements")
+
+    def __init__(self, driver: _Connection) -> None:
+        self.driver = driver
+        self.expired = False  # the watchdog hung up under an operation
+        self.statements: dict[str, _Prepared] = {}  # statement ids die with a connection
+
+    async def prepared(self, name: str) -> _Prepared:
+        stmt = self.statements.get(name)
+        if stmt is None:
+            # One extra round trip, the first time this connection runs the statement.
+            stmt = self.statements[name] = await self.driver.prepare(MYSQL[name].sql)
+        return stmt
+
 
 # How long past command_timeout the client waits for the server: the server's own
 # limits (session_limits) end a slow statement at command_timeout with an error that
@@ -126,6 +146,16 @@ class MySQLDriver(PostgresDriver):
 
     errors = MYSQL_ERRORS
 
+    def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
+        super().__init__(engine, limit=limit, timeout=timeout)
+        # Every connection the hot path holds (idle or in use), from _open until it is
+        # let go (_close_soon, _discard, close): never handed back to the pool as it is.
+        self._conns: dict[PoolProxiedConnection, _Held] = {}
+        # The operations in flight and when each is past its bound (loop time), and
+        # whether the watchdog (_watch) is scheduled to look at them.
+        self._deadlines: dict[_Held, float] = {}
+        self._watching = False
+
     async def _open(self) -> PoolProxiedConnection:
         fairy = await super()._open()
         driver = _driver(fairy)
@@ -144,43 +174,47 @@ class MySQLDriver(PostgresDriver):
             if isinstance(exc, MYSQL_ERRORS.errors):
                 raise MYSQL_ERRORS.translate(exc) from exc
             raise
+        self._conns[fairy] = _Held(driver)
         return fairy
 
     def _gone(self, fairy: PoolProxiedConnection) -> bool:
-        return not _driver(fairy).connected
+        return not self._conns[fairy].driver.connected
 
     def _close_soon(self, fairy: PoolProxiedConnection) -> None:
+        self._conns.pop(fairy, None)
         if fairy.is_valid:
             fairy.invalidate()  # autocommit is on: never back into the pool as it is
         super()._close_soon(fairy)
 
+    async def _discard(self, fairy: PoolProxiedConnection, broken: BaseException) -> None:
+        for victim in (fairy, *self._idle):
+            self._conns.pop(victim, None)
+        await super()._discard(fairy, broken)
+
     async def _run(self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]) -> T:
-        fairy = await self._checkout()
-        driver = _driver(fairy)
-        held = fairy.info.get(_PREPARED)
-        if held is not None and held[0] is driver:
-            cache: dict[str, _Prepared] = held[1]
-        else:  # a connection new to the hot path (statement ids die with a connection)
-            cache = {}
-            fairy.info[_PREPARED] = (driver, cache)
+        conns, idle = self._conns, self._idle
+        if idle and conns[idle[-1]].driver.connected:
+            fairy = idle.pop()  # the common case, without _checkout's coroutine
+        else:
+            fairy = await self._checkout()
+        held = conns[fairy]
+        driver = held.driver
 
-        async def prepared(name: str) -> _Prepared:
-            stmt = cache.get(name)
-            if stmt is None:
-                # One extra round trip, the first time this connection runs the statement.
-                stmt = cache[name] = await driver.prepare(MYSQL[name].sql)
-            return stmt
-
-        # The operation's bound: a bare timer that hangs up on the server, rather than
-        # asyncio.timeout(), whose context manager costs several times the timer's
-        # own work per operation. A read the hang-up interrupts fails as a lost
-        # connection, which drops it (and the idle ones, as on any lost connection).
+        # The operation's bound: a deadline the one watchdog hangs up on, rather than a
+        # timer per operation (whose scheduling and cancelling in the loop cost several
+        # times this) or asyncio.timeout() (more again). A read the hang-up interrupts
+        # fails as a lost connection, which drops it (and the idle ones, as on any
+        # lost connection).
         bound = self._timeout + _MARGIN
-        expired: list[bool] = []
-        timer = asyncio.get_running_loop().call_later(bound, _hang_up, driver, expired)
+        loop = asyncio.get_running_loop()
+        self._deadlines[held] = loop.time() + bound
+        if not self._watching:
+            self._watching = True
+            loop.call_later(_TICK, _watch, self, loop)
         try:
-            result = await op(prepared)
+            result = await op(held.prepared)
         except MYSQL_ERRORS.errors as exc:
+            expired = held.expired
             if expired or not driver.connected or MYSQL_ERRORS.breaks(exc):
                 await self._discard(fairy, exc)
             else:
@@ -194,13 +228,13 @@ class MySQLDriver(PostgresDriver):
             fairy.invalidate()
             self._close_soon(fairy)
             self._release_slot()
-            if expired and isinstance(exc, Exception):  # asyncmy, on a connection closed
+            if held.expired and isinstance(exc, Exception):  # asyncmy, on a connection closed
                 timeout = _timeout(bound, exc)
                 raise StoreError(f"TimeoutError: {timeout}") from timeout
             raise
         finally:
-            timer.cancel()
-        if expired:  # the answer came in the same loop pass as the hang-up: kept, not reused
+            del self._deadlines[held]
+        if held.expired:  # the answer came in the same loop pass as the hang-up: not reused
             fairy.invalidate()
             self._close_soon(fairy)
             self._release_slot()
@@ -253,6 +287,7 @@ class MySQLDriver(PostgresDriver):
         idle, self._idle = self._idle, []
         for fairy in idle:
             self._held -= 1
+            self._conns.pop(fairy, None)
             fairy.invalidate()  # autocommit is on: closed rather than pooled
             await greenlet_spawn(fairy.close)
         await super().close()
@@ -271,9 +306,28 @@ def _timeout(bound: float, exc: BaseException) -> TimeoutError:
     return timeout
 
 
-def _hang_up(driver: _Connection, expired: list[bool]) -> None:
+# How often the watchdog looks at the operations in flight: an operation past its bound
+# is hung up on within this much more.
+_TICK = 0.25
+
+
+def _watch(hot_path: MySQLDriver, loop: asyncio.AbstractEventLoop) -> None:
+    """Hang up on every operation past its bound; look again in a tick while any is in
+    flight. Not kept by the driver (the loop holds it), so it makes no cycle."""
+    deadlines = hot_path._deadlines
+    now = loop.time()
+    for held, deadline in list(deadlines.items()):
+        if deadline <= now and not held.expired:
+            held.expired = True
+            _hang_up(held.driver)
+    if deadlines:
+        loop.call_later(_TICK, _watch, hot_path, loop)
+    else:
+        hot_path._watching = False
+
+
+def _hang_up(driver: _Connection) -> None:
     """A hot-path operation's time is up: close its connection under the pending read."""
-    expired.append(True)
     # Aborted, not only closed: a close waits for unsent bytes, which a server that
     # stopped reading would never take.
     transport = getattr(driver, "_transport", None)
@@ -415,10 +469,10 @@ DIALECT = SQLDialect(
     configure_engine=install_session_limits,
     create_schema=_create_schema,
     prune=prune,
-    # Not built yet: the transactional claim decides a key under a Postgres advisory
-    # lock; GET_LOCK is the equivalent this dialect would need.
+    # MariaDB's URLs get transactions (mariadb.py): its claim bounds its lock waits
+    # with SET STATEMENT, which MySQL lacks.
     no_transactions=(
-        "does not hold the claim and the handler in one transaction yet "
-        "(the transactional claim is Postgres's)"
+        "does not hold the claim and the handler in one transaction on MySQL: on a "
+        "MariaDB server use a mariadb+asyncmy:// URL"
     ),
 )

@@ -200,6 +200,8 @@ class SQLStore:
         Raises:
             SchemaMissing: the table or the head is missing; the message names the
                 table and ``asgi-idempotency migrate --database-url ...``.
+            ValueError: the server is too old for the backend's statements (MariaDB
+                before 10.5 through a ``mariadb+asyncmy://`` URL).
             StoreError: the database could not be reached.
         """
         if self._prepared:
@@ -216,6 +218,10 @@ class SQLStore:
             async with self._autocommit.connect() as conn:
                 problem = await conn.run_sync(schema_problem)
                 newer = await conn.run_sync(unknown_revisions) if problem else ()
+        check = self._spec.server_problem
+        too_old = None if check is None else check(self.engine.dialect.server_version_info)
+        if too_old is not None:
+            raise ValueError(f"SQLStore on {self.dialect}: {too_old}")
         if newer:
             # Migrating cannot fix this one: this version does not carry the revision.
             url = redact(self.engine.url.render_as_string(hide_password=False))
