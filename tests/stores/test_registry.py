@@ -23,8 +23,8 @@ from examples.dict_store import DictStore
         ("postgresql+psycopg2://u@h/db", "PostgreSQL"),  # its URL rule refuses the driver
         ("sqlite:///x.db", "SQLite"),
         ("sqlite+aiosqlite:///x.db", "SQLite"),
-        ("mariadb://u@h/db", "MariaDB/MySQL"),
-        ("mysql+asyncmy://u@h/db", "MariaDB/MySQL"),
+        ("mariadb://u@h/db", "MariaDB"),
+        ("mysql+asyncmy://u@h/db", "MySQL"),
         ("redis://h:6379/0", "Redis"),
         ("REDISS://h", "Redis"),
         ("redis+cluster://h:7000", "Redis"),

@@ -102,9 +102,18 @@ KINDS: list[StoreKind] = [
         cli_options={"pool_size": 1},
     ),
     StoreKind(
-        "MariaDB/MySQL", ("mariadb", "mysql"), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(migrations=True, audit=True), extra="mysql", drivers=True, normalize=async_url,
-        cli_options={"pool_size": 1},
+        "MariaDB", ("mariadb",), "asgi_idempotency.stores.sql:SQLStore",
+        Capabilities(transactions=True, migrations=True, audit=True), extra="mysql",
+        drivers=True, normalize=async_url, cli_options={"pool_size": 1},
+    ),
+    StoreKind(
+        "MySQL", ("mysql",), "asgi_idempotency.stores.sql:SQLStore",
+        Capabilities(migrations=True, audit=True), extra="mysql", drivers=True,
+        normalize=async_url, cli_options={"pool_size": 1},
+        lacks={
+            "transactions": "MySQL has neither SET STATEMENT nor RETURNING: use a "
+            "mariadb+asyncmy:// URL on MariaDB for transactional mode",
+        },
     ),
     StoreKind(
         "Redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"),
