@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +31,7 @@ from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.lifecycle import Claim
-from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore
+from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore, utcnow
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -357,6 +357,73 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
         yield opened
 
 
+class StoreClock:
+    """The clock a store decides leases with, for a test that lets a lease or a ttl run out.
+
+    On one host (memory, SQLite) the store takes the caller's ``now``: this clock, moved
+    at will, with leases of ``unit`` = 30 s. A shared store (Postgres, MariaDB, Redis)
+    decides on its own time, which only real time moves: ``unit`` is then one second,
+    and moving the clock is sleeping. Pass it as a middleware's or ``Once``'s ``clock``.
+    """
+
+    def __init__(self, store: Store) -> None:
+        local = isinstance(store, MemoryStore) or (
+            isinstance(store, SQLStore) and store.dialect == "sqlite"
+        )
+        self.shared = not local
+        self.unit = timedelta(seconds=1) if self.shared else timedelta(seconds=30)
+        self.now = utcnow() if self.shared else datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return utcnow() if self.shared else self.now
+
+    @property
+    def cutoff(self) -> datetime | None:
+        """An admin query's ``now``: ``None`` (the store's own time) where it has one."""
+        return None if self.shared else self.now
+
+    async def advance(self, by: timedelta) -> datetime:
+        if self.shared:
+            await asyncio.sleep(by.total_seconds())
+            self.now = utcnow()
+        else:
+            self.now += by
+        return self.now
+
+    async def past(self, span: timedelta) -> datetime:
+        """Move past the end of a ``span`` that began now (by a fifth of a unit)."""
+        return await self.advance(span + self.unit / 5)
+
+
+async def backdate(store: Store, key: str, by: timedelta) -> None:
+    """Move a record's times ``by`` into the past, as if written that long ago.
+
+    A shared store writes every record at its own time: a test that needs old records
+    (for the CLI's stats, say) writes them now and ages them here, behind the store.
+    """
+    from asgi_idempotency.stores.codec import epoch_us
+    from asgi_idempotency.stores.redis import RedisStore
+    from asgi_idempotency.stores.schema import records
+
+    record = await store.get(key)
+    assert record is not None
+    times = {
+        "created_at": record.created_at - by,
+        "locked_until": record.locked_until - by,
+        "expires_at": record.expires_at - by,
+    }
+    if isinstance(store, SQLStore):
+        async with store.engine.begin() as conn:
+            await conn.execute(records.update().where(records.c.key == key).values(**times))
+    elif isinstance(store, RedisStore):
+        fields: dict[str | bytes, int | str] = {
+            name: epoch_us(value) for name, value in zip("cle", times.values(), strict=True)
+        }
+        await store.client.hset(store._key(key), mapping=fields)  # type: ignore[arg-type]  # an invariant Mapping
+    else:
+        raise TypeError(f"cannot backdate a record of {type(store).__name__}")
+
+
 class Claimant:
     """Claims made as the middleware makes them: on the store, or in a transaction of it.
 
@@ -371,9 +438,9 @@ class Claimant:
 
     async def claim(
         self, key: str, request_hash: str, token: str, *, now: datetime,
-        locked_until: datetime, expires_at: datetime,
+        lease: timedelta, ttl: timedelta,
     ) -> Claim:  # fmt: skip
-        times: dict[str, Any] = {"now": now, "locked_until": locked_until, "expires_at": expires_at}
+        times: dict[str, Any] = {"now": now, "lease": lease, "ttl": ttl}
         if not self.transactional:
             return await lifecycle.claim(self.store, key, request_hash, token, **times)
         assert isinstance(self.store, TransactionalStore)
@@ -391,13 +458,13 @@ class Claimant:
         return claim
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         if not self.transactional:
-            return await self.store.complete(key, token, response, expires_at=expires_at)
+            return await self.store.complete(key, token, response, now=now, ttl=ttl)
         stack, tx = self._held.pop(token)
         async with stack:
-            await tx.commit(key, token, response, expires_at=expires_at)
+            await tx.commit(key, token, response, now=now, ttl=ttl)
         return True
 
     async def release(self, key: str, token: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from asgi_idempotency.stores.base import NewClaim, Record, StoredResponse
 from asgi_idempotency.stores.memory import MemoryStore
@@ -44,18 +44,18 @@ class ScriptedStore(MemoryStore):
         return await super().replace(expected, new)
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         await self._enter("complete")
-        return await super().complete(key, token, response, expires_at=expires_at)
+        return await super().complete(key, token, response, now=now, ttl=ttl)
 
     async def release(self, key: str, token: str) -> bool:
         await self._enter("release")
         return await super().release(key, token)
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         await self._enter("renew")
-        return await super().renew(key, token, locked_until=locked_until)
+        return await super().renew(key, token, now=now, lease=lease)
 
     def put(self, record: Record) -> None:
         """Write ``record`` as it is (a row another process left)."""

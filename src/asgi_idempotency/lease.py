@@ -60,7 +60,7 @@ class LeaseRenewal:
         while True:
             try:
                 owned = await self._store.renew(
-                    self._key, self._token, locked_until=self._clock() + self._lease
+                    self._key, self._token, now=self._clock(), lease=self._lease
                 )
             except StoreError as exc:
                 owned = True  # transient; the next tick tries again before the lease ends
@@ -180,7 +180,7 @@ class LeaseRenewals:
         try:
             while True:
                 try:
-                    owned = await self._store.renew(key, token, locked_until=self._clock() + lease)
+                    owned = await self._store.renew(key, token, now=self._clock(), lease=lease)
                 except StoreError as exc:
                     owned = True  # transient; the next tick tries again before the lease ends
                     self._observer.log(

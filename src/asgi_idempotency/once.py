@@ -187,7 +187,8 @@ class Once:
         codec: ``dumps``/``loads`` between a result and bytes (default orjson: JSON
             values). Every call returns the result after a trip through the codec,
             the first included, so a result it does not round-trip shows at once.
-        clock: the current aware UTC time (tests).
+        clock: the current aware UTC time: the lease clock of stores on one host
+            (memory, SQLite; tests); shared stores decide leases on their own clock.
         metrics: a :class:`~.metrics.MetricsSink` (e.g. the middleware's
             ``PrometheusMetrics``) that receives one ``observe(namespace, outcome)`` per
             call, and store latencies and take-overs if it takes them. The namespace
@@ -412,7 +413,7 @@ class Once:
             token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
             claim = await self._store("claim", span, lifecycle.claim(
                 self.store, call.key, call.fingerprint, token,
-                now=now, locked_until=now + self.lease, expires_at=now + self.ttl,
+                now=now, lease=self.lease, ttl=self.ttl,
                 orphaned=functools.partial(self._orphaned, call),
             ))  # fmt: skip
             outcome = claim.outcome
@@ -459,7 +460,7 @@ class Once:
             await self._release(call, owned, span)
             raise
         stored = StoredResponse(200, (), body)
-        expires_at = self.clock() + self.ttl
+        now = self.clock()
         # The function ran: executed, whether or not the store keeps its result (as the
         # middleware counts a request whose completion failed).
         self._outcome(call, span, Outcome.EXECUTED)
@@ -467,7 +468,7 @@ class Once:
             done = await self._shielded(
                 call, "complete",
                 self._store("complete", span, self.store.complete(
-                    call.key, owned.token, stored, expires_at=expires_at
+                    call.key, owned.token, stored, now=now, ttl=self.ttl
                 )),
             )  # fmt: skip
         except StoreError as exc:

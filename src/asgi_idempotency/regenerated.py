@@ -97,9 +97,9 @@ class RegeneratedKeys:
         Raises:
             StoreError: the store failed (the caller logs it and goes on).
         """
-        until = now + self.window
+        window = self.window
         marker = NewClaim(marker_key(host, principal, fingerprint), key, MARKER_TOKEN, now,
-                          until, until)  # fmt: skip
+                          window, window)  # fmt: skip
         found = await store.insert(marker)
         if found is None or found is BUSY:
             # The first sighting; or, in a transaction, another one holds the marker's

@@ -141,8 +141,8 @@ class Runtime:
         task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
 
     def complete_later(
-        self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
-        lease: timedelta, every: float, route: str,
+        self, key: str, token: str, stored: StoredResponse, now: datetime, *,
+        ttl: timedelta, lease: timedelta, every: float, route: str,
     ) -> None:  # fmt: skip
         """Try again, in the background, a completion that the store failed.
 
@@ -154,13 +154,13 @@ class Runtime:
         """
         renewal = self.renewals.start(key, token, lease, every, route)
         task = asyncio.ensure_future(
-            self._complete_again(key, token, stored, expires_at, lease, route)
+            self._complete_again(key, token, stored, now, ttl, lease, route)
         )
         self._keep(task)
         task.add_done_callback(functools.partial(self._completed_again, renewal, token, route, key))
 
     async def _complete_again(
-        self, key: str, token: str, stored: StoredResponse, expires_at: datetime,
+        self, key: str, token: str, stored: StoredResponse, now: datetime, ttl: timedelta,
         lease: timedelta, route: str,
     ) -> None:  # fmt: skip
         loop = asyncio.get_running_loop()
@@ -172,7 +172,7 @@ class Runtime:
             await asyncio.sleep(delay)
             attempts += 1
             try:
-                owned = await self.store.complete(key, token, stored, expires_at=expires_at)
+                owned = await self.store.complete(key, token, stored, now=now, ttl=ttl)
             except StoreError as exc:
                 self.observer.log(
                     logging.WARNING, "idempotency.complete_retry_failed", route, key,
@@ -363,8 +363,8 @@ class Responder:
             req.fingerprint,
             token,
             now=now,
-            locked_until=now + policy.lease,
-            expires_at=now + policy.ttl,
+            lease=policy.lease,
+            ttl=policy.ttl,
             # A transaction's claim rolls back with it; the store's stays unless released.
             orphaned=rt.orphaned if self.tx is None else None,
         )
@@ -532,10 +532,10 @@ class Responder:
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
                 stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
-            expires_at = self.rt.clock() + self.req.policy.ttl
+            now = self.rt.clock()
             if self.tx is None:
-                await self._complete(stored, expires_at)
-            elif not await self._commit(self.tx, stored, expires_at):
+                await self._complete(stored, now)
+            elif not await self._commit(self.tx, stored, now):
                 self.state = _State.DONE
                 return
             self.rt.observer.outcome(self.req.route, Outcome.EXECUTED)
@@ -547,10 +547,10 @@ class Responder:
         await send(start)
         await send({"type": "http.response.body", "body": content, "more_body": False})
 
-    async def _complete(self, stored: StoredResponse, expires_at: datetime) -> None:
-        store, key, token = self.rt.store, self.req.key, self.token
+    async def _complete(self, stored: StoredResponse, now: datetime) -> None:
+        store, key, token, ttl = self.rt.store, self.req.key, self.token, self.req.policy.ttl
         try:
-            completing = store.complete(key, token, stored, expires_at=expires_at)
+            completing = store.complete(key, token, stored, now=now, ttl=ttl)
             if self.span is None and not self.rt.observer.timing:
                 owned = await completing
             else:
@@ -559,7 +559,7 @@ class Responder:
         except asyncio.CancelledError:
             # A partial, built only now: a lambda would give this function cells
             # that every request pays for.
-            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
+            again = functools.partial(store.complete, key, token, stored, now=now, ttl=ttl)
             self.rt.rerun(again, self.req.route, key, "complete")
             raise
         except StoreError as exc:
@@ -569,19 +569,17 @@ class Responder:
             route, policy = self.req.route, self.req.policy
             self.rt.observer.store_error(route, key, "complete", exc)
             self.rt.complete_later(
-                key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
+                key, token, stored, now, ttl=ttl, lease=policy.lease, every=policy.renew_every,
                 route=route,
             )  # fmt: skip
             return
         if not owned:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
 
-    async def _commit(
-        self, tx: StoreTransaction, stored: StoredResponse, expires_at: datetime
-    ) -> bool:
-        key = self.req.key
+    async def _commit(self, tx: StoreTransaction, stored: StoredResponse, now: datetime) -> bool:
+        key, ttl = self.req.key, self.req.policy.ttl
         try:
-            await self.rt.shielded(tx.commit(key, self.token, stored, expires_at=expires_at))
+            await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.

@@ -49,7 +49,7 @@ from .dialect import HotPath, HotPathOptions, SQLDialect, pool_options
 from .postgres import PostgresDriver
 from .schema import create_tables, records
 from .sqlerrors import MYSQL_ERRORS
-from .statements import MYSQL
+from .statements import MYSQL, MYSQL_CLOCK
 
 __all__ = [
     "DIALECT",
@@ -394,6 +394,7 @@ DIALECT = SQLDialect(
     driver="asyncmy",
     errors=MYSQL_ERRORS,
     time=mysql_time,
+    clock=MYSQL_CLOCK,
     hot_path=_hot_path,
     engine_options=_engine_options,
     configure_engine=install_session_limits,

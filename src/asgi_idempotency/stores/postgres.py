@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -35,7 +35,7 @@ from .dialect import HotPath, HotPathOptions, SQLDialect, leave_engine, pool_opt
 from .queries import prune_by_ctid
 from .schema import create_tables
 from .sqlerrors import PG_ERRORS, ErrorBoundary
-from .statements import CLAIM_LOCKED, COMPLETE, PG, REPLACE
+from .statements import CLAIM_LOCKED, COMPLETE, PG, PG_CLOCK, REPLACE
 
 __all__ = [
     "DIALECT",
@@ -255,7 +255,8 @@ class PostgresTransaction:
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        values = new._asdict()
+        values = _claim_values(new)
+        values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
             with PG_ERRORS:
                 row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
@@ -276,8 +277,8 @@ class PostgresTransaction:
         # claim statement's snapshot, which may predate a rival's take-over that
         # committed before this transaction won the lock. The swap then fails and the
         # lifecycle claims again, in a snapshot that sees the rival's row.
-        values = new._asdict()
-        values["where_key"] = values.pop("key")
+        values = _claim_values(new)
+        values["where_key"] = new.key
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
         values["old_locked_until"] = expected.locked_until
@@ -286,12 +287,12 @@ class PostgresTransaction:
         return bool(result.rowcount)
 
     async def commit(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> None:
         values = {
             "where_key": key,
             "where_token": token,
-            "expires_at": expires_at,
+            "ttl_us": ttl // _US,
             "response_status": response.status,
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
@@ -306,6 +307,19 @@ class PostgresTransaction:
                 await self._conn.rollback()
                 raise StoreError("the record is not this transaction's claim; rolled back")
             await self._conn.commit()
+
+
+_US = timedelta(microseconds=1)
+
+
+def _claim_values(new: NewClaim) -> dict[str, Any]:
+    """A claim's parameters: the lease and retention as durations, for the database's clock."""
+    return {
+        "request_hash": new.request_hash,
+        "token": new.token,
+        "lease_us": new.lease // _US,
+        "ttl_us": new.ttl // _US,
+    }
 
 
 @asynccontextmanager
@@ -385,6 +399,7 @@ DIALECT = SQLDialect(
     driver="asyncpg",
     errors=PG_ERRORS,
     time=pg_time,
+    clock=PG_CLOCK,
     hot_path=_hot_path,
     engine_options=_engine_options,
     configure_engine=leave_engine,

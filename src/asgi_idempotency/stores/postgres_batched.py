@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -115,17 +116,17 @@ _WATCH_EVERY = 0.01
 # The parameters of each batched statement, from the one-request values dict SQLStore
 # builds, in the order of the arrays (PG_BATCHED[name].names is "<alias>_<column>").
 _FIELDS = {
-    "claim": ("key", "request_hash", "token", "now", "locked_until", "expires_at"),
+    "claim": ("key", "request_hash", "token", "lease_us", "ttl_us"),
     "complete": (
         "where_key",
         "where_token",
-        "expires_at",
+        "ttl_us",
         "response_status",
         "response_headers",
         "response_body",
     ),
     "release": ("where_key", "where_token"),
-    "renew": ("where_key", "where_token", "locked_until"),
+    "renew": ("where_key", "where_token", "lease_us"),
 }
 
 
@@ -322,7 +323,10 @@ class BatchingPostgresDriver:
             await asyncio.sleep(_WATCH_EVERY)
 
     async def _claim_alone(
-        self, values: dict[str, Any], backend: list[int] | None = None
+        self,
+        values: dict[str, Any],
+        backend: list[int] | None = None,
+        inserted_at: dict[str, Any] | None = None,
     ) -> ClaimAnswer:
         """The one-row claim, waiting a moment at most for a row lock: :data:`_HELD` past it.
 
@@ -347,6 +351,8 @@ class BatchingPostgresDriver:
             raise
         assert row is not None  # the LEFT JOIN always yields one row
         if row[1]:
+            if inserted_at is not None:
+                inserted_at[values["key"]] = row[-1]  # the statement's time: the row's
             return _INSERTED
         return _own(values, None if row[2] is None else tuple(row)[2:])
 
@@ -376,13 +382,16 @@ class BatchingPostgresDriver:
             first.setdefault(values["key"], values)
         unique = list(first.values())
         by_key: dict[str, ClaimAnswer] = {}
+        inserted_at: dict[str, Any] = {}  # key -> the database's time that inserted it
         landed = asyncio.get_running_loop().create_future()
         landing = self._landing
         for values in unique:
             landing[(values["key"], values["token"])] = landed
         try:
             if len(unique) == 1:  # alone: the one-row statement (see the module docstring)
-                by_key[unique[0]["key"]] = await self._claim_alone(unique[0])
+                by_key[unique[0]["key"]] = await self._claim_alone(
+                    unique[0], inserted_at=inserted_at
+                )
             else:
                 stmt = PG_BATCHED["claim"]
                 args = _arrays(stmt, unique, "claim", self._lock_timeout)
@@ -392,6 +401,7 @@ class BatchingPostgresDriver:
                 for row in rows:
                     if row[1]:
                         by_key[row[0]] = _INSERTED
+                        inserted_at[row[0]] = row[-1]
                     elif row[2] is not None:
                         by_key[row[0]] = _own(first[row[0]], tuple(row)[2:])
         finally:
@@ -403,7 +413,7 @@ class BatchingPostgresDriver:
             key = values["key"]
             answer = by_key.get(key, _NOT_VISIBLE)
             if answer[0] and first[key] is not values:
-                answer = (False, _claimed_row(first[key]))
+                answer = (False, _claimed_row(first[key], inserted_at[key]))
             answers.append(answer)
         return answers
 
@@ -522,21 +532,34 @@ def _own(values: dict[str, Any], row: Sequence[Any] | None) -> ClaimAnswer:
     A claim sent twice (its connection broke under the first, which had committed:
     :meth:`BatchingPostgresDriver._send`) meets the row it inserted. That row is this
     claim's when it is exactly what this claim writes: its token, its fingerprint and
-    its times, in progress (a token alone would not do: the regenerated-key detector's
-    markers all share one). Anything else is a row in the way.
+    its lease and retention (measured from its ``created_at``: the database's clock
+    wrote them), in progress, with no response (a token alone would not do: the
+    regenerated-key detector's markers all share one). Anything else is a row in the way.
     """
     if row is None:
         return _NOT_VISIBLE
-    if row[2] == values["token"] and tuple(row[:6]) == _claimed_row(values)[:6]:
+    if (
+        row[2] == values["token"]
+        and row[0] == values["request_hash"]
+        and row[1] == _IN_PROGRESS
+        and row[6] is None
+        and (row[4] - row[3]) // _US == values["lease_us"]
+        and (row[5] - row[3]) // _US == values["ttl_us"]
+    ):
         return _INSERTED
     return (False, row)
 
 
-def _claimed_row(values: dict[str, Any]) -> tuple[Any, ...]:
-    """The row a claim inserted, as ``RECORD_COLUMNS``: in progress, no response."""
+_US = timedelta(microseconds=1)
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+
+
+def _claimed_row(values: dict[str, Any], at: Any) -> tuple[Any, ...]:
+    """The row a claim inserted at the database's time ``at``, as ``RECORD_COLUMNS``
+    and the time it was read at: in progress, no response."""
     return (
-        values["request_hash"], RecordStatus.IN_PROGRESS.value, values["token"],
-        values["now"], values["locked_until"], values["expires_at"], None, None, None,
+        values["request_hash"], _IN_PROGRESS, values["token"], at,
+        at + values["lease_us"] * _US, at + values["ttl_us"] * _US, None, None, None, at,
     )  # fmt: skip
 
 
