@@ -10,15 +10,23 @@
 - ``floor_pg``: the least a Postgres guard can do (:class:`FloorGuard` on raw asyncpg):
   one statement for a replay, 409 or 422, two for a first request, nothing else;
 - ``floor_sqlite``: the same guard on one raw aiosqlite connection;
-- ``floor_mariadb``: the same guard on raw asyncmy: a pool of autocommit connections,
-  the store's own statements (``INSERT IGNORE``, the ``SELECT`` of the row in the way
-  only when it did not insert, the fenced ``UPDATE``) as server-side prepared statements;
+- ``floor_mariadb``: the same guard on raw asyncmy: autocommit connections, the store's
+  own statements (``INSERT IGNORE``, the ``SELECT`` of the row in the way only when it
+  did not insert, the fenced ``UPDATE``) as server-side prepared statements;
 - ``floor_memory``: the same guard on a dict: what any guard that buffers and
   captures costs in front of this handler, with no store I/O at all;
 - ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
 - ``floor_redis``: the same guard on raw redis-py doing the same two commands (a claim
   script and a complete script, ``EVALSHA`` each);
 - ``peer_*``: another library's Redis-backed guard on the same route (``bench/peers.py``).
+
+The floors on a networked store (asyncpg, asyncmy, redis-py) hold one open connection
+per load connection, ``BENCH_FLOOR_POOL_SIZE`` (the harness sets it to wrk's ``-c``;
+unset, they refuse to start), handed back with no reset: each request's statements
+never wait for a connection and never pay a round trip that is not theirs. Ours
+keeps the store's default configuration. The SQLite floor keeps one connection:
+SQLite admits one writer at a time, so more connections would only wait for each
+other in ``busy_timeout`` sleeps (as ``SQLStore`` on SQLite, one connection too).
 
 The handler does no I/O of its own, so the guard's cost is what the numbers show.
 ``BENCH_PG_URL`` (``postgresql://…``), ``BENCH_MARIADB_URL`` (``mariadb+asyncmy://…``) and
@@ -43,6 +51,8 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from asgi_idempotency.principals import ANONYMOUS
 
 if TYPE_CHECKING:  # imported where used, as the other variants do not need it
     import asyncpg
@@ -123,6 +133,21 @@ def _sqlite_time(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
+def floor_pool_size() -> int:
+    """Connections a floor holds: ``BENCH_FLOOR_POOL_SIZE``, one per load connection.
+
+    Required: a default would be a guess at the load, and a floor with fewer
+    connections than the load has requests in flight makes requests queue for one.
+    """
+    size = os.environ.get("BENCH_FLOOR_POOL_SIZE")
+    if size is None or not size.isdigit() or int(size) < 1:
+        raise RuntimeError(
+            f"BENCH_FLOOR_POOL_SIZE={size!r}: set it to the load's connection count "
+            "(bench.run and bench.batching set it to wrk's -c)"
+        )
+    return int(size)
+
+
 async def _no_reset(conn: asyncpg.Connection) -> None:
     pass
 
@@ -144,10 +169,7 @@ class _PgBackend:
         self.pool: Any = None
 
     async def start(self) -> None:
-        # The same number of connections as SQLStore's default pool (pool_size=10), or
-        # BENCH_FLOOR_POOL_SIZE (bench.batching: one per load connection).
-        size = os.environ.get("BENCH_FLOOR_POOL_SIZE") or os.environ.get("BENCH_POOL_SIZE", "10")
-        self.pool = await floor_pool(self.url, int(size))
+        self.pool = await floor_pool(self.url, floor_pool_size())
 
     async def stop(self) -> None:
         await self.pool.close()
@@ -226,7 +248,8 @@ def _naive_utc(t: datetime) -> datetime:
 
 
 class _MariaDBBackend:
-    """Raw asyncmy at its fairest: ``size`` autocommit connections handed out by a queue,
+    """Raw asyncmy at its fairest: :func:`floor_pool_size` autocommit connections handed
+    out by a queue (nothing to reset: the statements leave no session state),
     each with the three statements prepared once (server-side prepared statements:
     ``python -m bench.mariadb_store`` compares them with the text protocol, and they
     are the faster), and no ``read_timeout`` (with one, asyncmy waits for every read
@@ -242,8 +265,7 @@ class _MariaDBBackend:
         from sqlalchemy.engine import make_url
 
         u = make_url(self.url)
-        size = os.environ.get("BENCH_FLOOR_POOL_SIZE") or os.environ.get("BENCH_POOL_SIZE", "10")
-        for _ in range(int(size)):
+        for _ in range(floor_pool_size()):
             conn = await asyncmy.connect(
                 host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
                 database=u.database, autocommit=True,
@@ -303,14 +325,21 @@ class _RedisBackend:
 
         # At its fairest (as RedisStore does, see its _evalsha): no socket_timeout (its
         # asyncio.wait_for per send is a Task each), and one loop pass before each command
-        # so that concurrent requests' sends leave together. Measured 1.13x (replay) and
-        # 1.18x (fresh) the req/s of redis-py's defaults, 6 interleaved rounds.
-        self.client = aioredis.Redis.from_url(url, socket_timeout=None)
+        # so that concurrent requests' sends leave together (faster than redis-py's
+        # defaults: docs/performance.md). redis-py's pool hands a connection back as it
+        # is, with no command on release.
+        self.size = floor_pool_size()
+        self.client = aioredis.Redis.from_url(url, socket_timeout=None, max_connections=self.size)
         self._claim = self.client.register_script(REDIS_CLAIM)
         self._complete = self.client.register_script(REDIS_COMPLETE)
 
     async def start(self) -> None:
-        pass
+        # Open every connection now, as the SQL floors do, rather than on the first
+        # requests that find the pool short.
+        pool = self.client.connection_pool
+        held = [await pool.get_connection() for _ in range(self.size)]  # type: ignore[no-untyped-call]
+        for conn in held:
+            await pool.release(conn)
 
     async def stop(self) -> None:
         await self.client.aclose()
@@ -448,11 +477,11 @@ def create() -> Starlette:
 
             store = RedisStore(redis_url)
         elif variant in ("postgres_batched", "postgres_unbatched"):
-            size = int(os.environ.get("BENCH_POOL_SIZE", "10"))
+            # The store's default configuration but for batching, which names the variant.
             url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)
-            store = SQLStore(url, pool_size=size, batching=variant == "postgres_batched")
+            store = SQLStore(url, batching=variant == "postgres_batched")
         elif variant == "mariadb":
-            store = SQLStore(mariadb_url, pool_size=int(os.environ.get("BENCH_POOL_SIZE", "10")))
+            store = SQLStore(mariadb_url)
         else:
             store = SQLStore(f"sqlite+aiosqlite:///{sqlite_path}")
         closers.append(store.close)
@@ -461,6 +490,7 @@ def create() -> Starlette:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )

@@ -122,6 +122,40 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def open_connections(pid: int, port: int) -> int:
+    """Established TCP connections from process ``pid`` to loopback ``port`` (Linux).
+
+    How the benchmark checks, from outside the app, how many connections a variant
+    holds to its store: the sockets among ``/proc/<pid>/fd`` whose remote end, in
+    ``/proc/<pid>/net/tcp`` and ``tcp6``, is ``port`` in state ESTABLISHED.
+    """
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+                if remote_port == port and fields[3] == "01" and fields[9] in inodes:
+                    count += 1
+    return count
+
+
+def open_files(pid: int, path: str) -> int:
+    """File descriptors of process ``pid`` open on ``path`` (a SQLite database's
+    connections each hold one on the database file)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == path
+    return count
+
+
 RESULTS = HERE / "results"
 
 

@@ -10,6 +10,11 @@ fixed so that both runs take the same paths through dicts and sets.
 Instructions are not time (a cache miss costs no instruction), so a change is judged
 by both: this for the direction and size, ``bench.inprocess`` for the microseconds.
 
+Each store that ran beside its floor (``memory`` and ``floor_memory``, the default
+comparison; ``redis`` and ``floor_redis``) is then printed as a ratio per workload:
+``python -m bench.icount --variants memory,floor_memory`` is issue #34's measure of the
+guard's own cost per request, fresh and replay.
+
 The Redis variants (``--variants redis,floor_redis``) run against ``BENCH_REDIS_URL``,
 or, unset, a throwaway ``redis-server`` (:mod:`bench.redis_server`) started for the
 whole comparison. Only the app process is counted: the server's own work per script
@@ -33,8 +38,13 @@ from bench import inprocess
 _IREFS = re.compile(rb"I\s+refs:\s+([\d,]+)")
 
 
+# Ours and the floor it is compared with, where both ran.
+FLOORS = {"memory": "floor_memory", "redis": "floor_redis"}
+
+
 def _cell(variant: str, workload: str, n: int) -> None:
     os.environ["BENCH_VARIANT"] = variant
+    os.environ["BENCH_FLOOR_POOL_SIZE"] = "1"  # one request at a time
     from bench import app as bench_app
 
     async def main() -> None:
@@ -85,12 +95,19 @@ def main() -> None:
 
 
 def _compare(args: argparse.Namespace) -> None:
-    for workload in args.workloads.split(","):
-        for variant in args.variants.split(","):
+    variants, workloads = args.variants.split(","), args.workloads.split(",")
+    per: dict[tuple[str, str], float] = {}
+    for workload in workloads:
+        for variant in variants:
             small = _instructions(variant, workload, args.small)
             large = _instructions(variant, workload, args.large)
-            per = (large - small) / (args.large - args.small)
-            print(f"{workload:7} {variant:13} {per:10.0f} instructions/request", flush=True)
+            per[workload, variant] = (large - small) / (args.large - args.small)
+            print(f"{workload:7} {variant:13} {per[workload, variant]:10.0f} instructions/request",
+                  flush=True)  # fmt: skip
+    for ours, floor in FLOORS.items():
+        if ours in variants and floor in variants:
+            ratios = ", ".join(f"{w} {per[w, ours] / per[w, floor]:.2f}x" for w in workloads)
+            print(f"{ours} / {floor}: {ratios}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 (the database must exist; the table is created). Claim+complete pairs on fresh keys,
 ``--concurrency`` tasks, alternating rounds; prints pairs/s for
 
-- ``ours``: ``SQLStore`` (the lifecycle's claim, then complete), as the middleware runs it;
+- ``ours``: ``SQLStore`` in its default configuration (the lifecycle's claim, then
+  complete), as the middleware runs it;
 - ``raw prepared``: the same two statements as asyncmy server-side prepared statements
   on ``--concurrency`` autocommit connections, the floor for what the store does;
 - ``raw text``: the same on asyncmy's text protocol (client-side escaping), the
@@ -49,7 +50,7 @@ async def measure(op: Callable[[int], Awaitable[None]], n: int, concurrency: int
 
 
 async def ours(url: str, n: int, concurrency: int) -> float:
-    store = SQLStore(url, pool_size=concurrency)
+    store = SQLStore(url)
     try:
 
         async def pair(_: int) -> None:

@@ -2,11 +2,13 @@
 
 Serves the refund app (``bench/app.py``) over real HTTP (uvicorn, uvloop, httptools,
 one worker, loopback) in every variant at once, then drives them with wrk in
-alternating order, round after round, so that machine drift touches all alike. Prints
-req/s, p50, p99 and the app process's CPU per request for each variant and workload,
-with ratios to its floor and to no guard; then each store against its own floor
-(fresh and replay), the round trips per outcome counted on the Postgres wire, and
-PASS/FAIL per target; writes ``bench/results/<stamp>.json``, ``latest.json`` and
+alternating order, round after round, so that machine drift touches all alike. Each
+floor holds one store connection per wrk connection, checked from outside the app
+after warm-up (the run refuses otherwise); ours keep their defaults. Prints req/s,
+p50, p99 and the app process's CPU per request for each variant and workload, with
+ratios to its floor and to no guard; then each store against its own floor (fresh
+and replay: req/s, p99, CPU), the round trips per outcome counted on the Postgres
+wire, and PASS/FAIL per target; writes ``bench/results/<stamp>.json``, ``latest.json`` and
 ``chart.png``.
 
 Bounded: by default 12 variants x 3 workloads x 5 rounds x 5 s, plus the Postgres
@@ -34,7 +36,16 @@ from typing import Any
 
 from asgi_idempotency._serve import UvicornProcess
 from bench import peers
-from bench.harness import RESULTS, ensure_wrk, log, prepare_postgres, run_wrk, start_server
+from bench.harness import (
+    RESULTS,
+    ensure_wrk,
+    log,
+    open_connections,
+    open_files,
+    prepare_postgres,
+    run_wrk,
+    start_server,
+)
 
 # Postgres variants are named by configuration, not as "the default": the library's
 # default can change, and a result must still say what it measured.
@@ -153,11 +164,46 @@ def postgres_default() -> str:
     return "postgres_batched" if DIALECT.batching else "postgres_unbatched"
 
 
+def held_connections(
+    servers: dict[str, UvicornProcess], env: dict[str, dict[str, str]]
+) -> dict[str, int]:
+    """How many connections each variant's process holds to its store, seen from
+    outside the app (``/proc``): TCP connections to the store's port, or for SQLite
+    the descriptors open on the database file."""
+    from sqlalchemy.engine import make_url
+
+    held: dict[str, int] = {}
+    for variant, server in servers.items():
+        pid, e = server.process.pid, env[variant]
+        if variant in POSTGRES:
+            held[variant] = open_connections(pid, make_url(e["BENCH_PG_URL"]).port or 5432)
+        elif variant in MARIADB:
+            held[variant] = open_connections(pid, make_url(e["BENCH_MARIADB_URL"]).port or 3306)
+        elif variant in ("redis", "floor_redis", *OPTIONAL):
+            held[variant] = open_connections(pid, make_url(e["BENCH_REDIS_URL"]).port or 6379)
+        elif "BENCH_SQLITE_PATH" in e:
+            held[variant] = open_files(pid, e["BENCH_SQLITE_PATH"])
+    return held
+
+
+def check_floor_connections(held: dict[str, int], connections: int) -> None:
+    """Refuse to measure a floor that does not hold what it claims: one connection per
+    load connection (SQLite: one, as SQLite has one writer at a time)."""
+    expected = {"floor_pg": connections, "floor_mariadb": connections,
+                "floor_redis": connections, "floor_sqlite": 1}  # fmt: skip
+    wrong = {v: n for v, n in held.items() if v in expected and n != expected[v]}
+    if wrong:
+        sys.exit(
+            "floors not holding their connections (variant: held, expected): "
+            + ", ".join(f"{v}: {n}, {expected[v]}" for v, n in wrong.items())
+        )
+
+
 # ---------------------------------------------------------------------------------------
 # Round trips, counted on the Postgres wire (pgwire.WireCounter), per outcome.
 
 
-async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]]:
+async def count_round_trips(pg_url: str, connections: int) -> dict[str, dict[str, list[list[str]]]]:
     import logging
 
     import httpx
@@ -175,6 +221,7 @@ async def count_round_trips(pg_url: str) -> dict[str, dict[str, list[list[str]]]
         for variant in ("postgres_unbatched", "floor_pg"):
             os.environ["BENCH_VARIANT"] = variant
             os.environ["BENCH_PG_URL"] = proxied
+            os.environ["BENCH_FLOOR_POOL_SIZE"] = str(connections)
             asgi = bench_app.create()
             seen: dict[str, list[list[str]]] = {}
             async with asgi.router.lifespan_context(asgi):
@@ -309,6 +356,27 @@ def check_redis(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
     return checks
 
 
+def check_fair_floors(table: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """Issue #34's targets that ran: the Postgres default and Redis against floors with
+    one connection per load connection, req/s and p99, and their CPU per fresh request
+    against ours on the memory store."""
+    checks: list[tuple[str, bool, str]] = []
+    for store, name in ((postgres_default(), "PG default"), ("redis", "Redis")):
+        floor = FLOOR[store]
+        for workload, least in (("fresh", 1.3), ("replay", 1.0)):
+            if not {store, floor} <= set(table.get(workload, {})):
+                continue
+            r = paired_ratio(table, workload, store, floor)
+            checks.append((f"{name} {workload}: req/s >= {least}x floor", r >= least, f"{r:.2f}x"))
+            r = paired_ratio(table, workload, store, floor, "p99_rounds_ms")
+            checks.append((f"{name} {workload}: p99 <= 1.25x floor's", r <= 1.25, f"{r:.2f}x"))
+        if {store, "memory"} <= set(table.get("fresh", {})):
+            r = paired_ratio(table, "fresh", store, "memory", "cpu_rounds_us")
+            target = f"{name} fresh: CPU/request <= 1.15x ours on memory"
+            checks.append((target, r <= 1.15, f"{r:.2f}x"))
+    return checks
+
+
 def print_table(table: dict[str, Any]) -> None:
     log("")
     log(f"{'workload':8} {'variant':18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
@@ -332,8 +400,9 @@ def print_table(table: dict[str, Any]) -> None:
 
 
 def store_report(table: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each store that ran against its own floor: fresh and replay req/s, the medians of
-    the per-round ratios, and the app's CPU per request (ours, the floor's)."""
+    """Each store that ran against its own floor, fresh and replay: req/s, p99 and the
+    app's CPU per request, ours and the floor's, each with the median of its per-round
+    ratios."""
     rows = []
     for store in STORES:
         floor = FLOOR[store]
@@ -342,12 +411,16 @@ def store_report(table: dict[str, Any]) -> list[dict[str, Any]]:
             cells = table.get(workload, {})
             if not {store, floor} <= set(cells):
                 break
+            ours, theirs = cells[store], cells[floor]
             row[workload] = {
-                "rps": cells[store]["rps"],
-                "floor_rps": cells[floor]["rps"],
+                "rps": ours["rps"],
+                "floor_rps": theirs["rps"],
                 "ratio": paired_ratio(table, workload, store, floor),
-                "cpu_us": cells[store]["cpu_us"],
-                "floor_cpu_us": cells[floor]["cpu_us"],
+                "p99_ms": ours["p99_ms"],
+                "floor_p99_ms": theirs["p99_ms"],
+                "p99_ratio": paired_ratio(table, workload, store, floor, "p99_rounds_ms"),
+                "cpu_us": ours["cpu_us"],
+                "floor_cpu_us": theirs["cpu_us"],
                 "cpu_ratio": paired_ratio(table, workload, store, floor, "cpu_rounds_us"),
             }
         else:
@@ -356,17 +429,19 @@ def store_report(table: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_store_report(rows: list[dict[str, Any]]) -> None:
-    log("Each store against its own floor (req/s: medians of rounds; ÷floor: medians of")
-    log("per-round ratios; CPU: the app process's utime+stime per request, ours / floor's):")
-    log(f"  {'store':20} {'floor':18} {'fresh':>6} {'÷floor':>6} {'CPU µs':>11}   "
-        f"{'replay':>6} {'÷floor':>6} {'CPU µs':>11}")  # fmt: skip
+    log("Each store against its own floor (medians of rounds, ours / the floor's; ÷floor:")
+    log("medians of per-round ratios; CPU: the app process's utime+stime per request):")
+    log(f"  {'store':20} {'floor':18} {'workload':8} {'req/s':^15}{'÷floor':>6} "
+        f"{'p99 ms':^15}{'÷floor':>6} {'CPU µs':^13}{'÷floor':>6}")  # fmt: skip
     default = postgres_default()
     for row in rows:
-        f, r = row["fresh"], row["replay"]
         label = LABELS[row["store"]] + (" *" if row["store"] == default else "")
-        log(f"  {label:20} {LABELS[row['floor']]:18} {f['rps']:6.0f} {f['ratio']:5.2f}x "
-            f"{f['cpu_us']:5.0f} / {f['floor_cpu_us']:<5.0f} {r['rps']:6.0f} {r['ratio']:5.2f}x "
-            f"{r['cpu_us']:5.0f} / {r['floor_cpu_us']:<5.0f}")  # fmt: skip
+        for workload in ("fresh", "replay"):
+            c = row[workload]
+            rps = f"{c['rps']:6.0f} / {c['floor_rps']:<6.0f}{c['ratio']:5.2f}x"
+            p99 = f"{c['p99_ms']:6.1f} / {c['floor_p99_ms']:<6.1f}{c['p99_ratio']:5.2f}x"
+            cpu = f"{c['cpu_us']:5.0f} / {c['floor_cpu_us']:<5.0f}{c['cpu_ratio']:5.2f}x"
+            log(f"  {label:20} {LABELS[row['floor']]:18} {workload:8} {rps} {p99} {cpu}")
     log(f"  * the library's default on Postgres ({default}, read from the library)")
     log("")
 
@@ -470,6 +545,7 @@ def main() -> None:
         "BENCH_FLOOR_POOL_SIZE": str(args.connections),
     }
     servers: dict[str, UvicornProcess] = {}
+    server_env: dict[str, dict[str, str]] = {}
     with contextlib.ExitStack() as stack:
         redis_variants = {"redis", "floor_redis", *OPTIONAL}
         if set(variants) & redis_variants and "BENCH_REDIS_URL" not in os.environ:
@@ -486,12 +562,17 @@ def main() -> None:
             else:
                 env_v = env
             servers[variant] = stack.enter_context(start_server(variant, env_v, tmp))
+            server_env[variant] = env_v
         up = ", ".join(f"{v} {s.base_url}" for v, s in servers.items())
         log(f"servers up: {up}; logs in {tmp}")
         for server in servers.values():  # warm-up: connections, prepared statements, caches
             run_wrk(
                 wrk, server, "mix", duration=1, connections=args.connections, threads=args.threads
             )
+        held = held_connections(servers, server_env)
+        log("connections to the store after warm-up: "
+            + ", ".join(f"{v} {n}" for v, n in held.items()))  # fmt: skip
+        check_floor_connections(held, args.connections)
 
         cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
@@ -531,7 +612,7 @@ def main() -> None:
     if set(variants) & set(MARIADB):
         asyncio.run(drop_mariadb(args.mariadb))
     table = summarize(cells)
-    trips = asyncio.run(count_round_trips(args.pg))
+    trips = asyncio.run(count_round_trips(args.pg, args.connections))
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     log(f"\n{stamp} on {machine()}")
     log(
@@ -545,6 +626,7 @@ def main() -> None:
 
     complete = all(v in variants for v in VARIANTS) and all(w in workloads for w in WORKLOADS)
     checks = (check_targets(table) if complete else []) + check_redis(table)
+    checks += check_fair_floors(table)
     for name, ok, value in checks:
         log(f"{'PASS' if ok else 'FAIL'}  {name:48} {value}")
     budget_ok = all(
@@ -580,6 +662,7 @@ def main() -> None:
         "table": table,
         "stores": stores,
         "postgres_default": postgres_default(),
+        "connections_held": held,
         "round_trips": trips,
         "targets": [{"target": n, "pass": ok, "value": v} for n, ok, v in checks]
         + [{"target": "Postgres round trips", "pass": budget_ok, "value": ""}],

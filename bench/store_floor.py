@@ -1,8 +1,10 @@
 """Store-level A/B, no HTTP: SQLStore's hot path against raw asyncpg on the same statements.
 
 ``python -m bench.store_floor`` — claim+complete pairs (fresh) and replay claims, 32
-concurrent tasks, the same pool size on both sides, alternating rounds; prints ops/s.
-Isolates what the store adds over the driver (the HTTP benchmark adds the middleware).
+concurrent tasks, alternating rounds; prints ops/s. The store keeps its default
+configuration; raw asyncpg gets one pool connection per task, with no reset on
+release (:func:`bench.app.floor_pool`). Isolates what the store adds over the driver
+(the HTTP benchmark adds the middleware).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ async def main() -> None:
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--pool", type=int, default=10)
+    ap.add_argument("--pool", type=int, help="ours' pool_size (default: the store's default)")
     ap.add_argument("--engine", default="", help='pool settings "max_overflow,pool_timeout"')
     args = ap.parse_args()
     url = args.pg.replace("postgresql://", "postgresql+asyncpg://")
@@ -55,16 +57,16 @@ async def main() -> None:
         overflow, timeout = args.engine.split(",")
         engine = create_async_engine(
             url,
-            pool_size=args.pool,
+            pool_size=args.pool or 10,
             max_overflow=int(overflow),
             pool_timeout=None if timeout == "none" else float(timeout),
             connect_args={"command_timeout": 5},
         )
         store = SQLStore(engine)
     else:
-        store = SQLStore(url, pool_size=args.pool)
+        store = SQLStore(url) if args.pool is None else SQLStore(url, pool_size=args.pool)
     await store.create_all()
-    pool = await floor_pool(args.pg, args.pool)
+    pool = await floor_pool(args.pg, args.concurrency)
     claim_sql, complete_sql = PG["claim"].sql, PG["complete"].sql
     run = uuid.uuid4().hex[:8]
     await claim(store, f"{run}-r", "h", "t", now=NOW, lease=LEASE, ttl=TTL)

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 from asgi_idempotency.demo import demo_metadata, refunds
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.transactional import get_session
 
 store = SQLStore(
@@ -35,7 +36,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 app = FastAPI(lifespan=lifespan)
-app.add_middleware(IdempotencyMiddleware, store=store)
+# No auth in this example: one caller. An app with users passes a principal that
+# names them from the request (from_user(), from_session(...), from_headers(...)).
+app.add_middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)
 
 
 class RefundIn(BaseModel):

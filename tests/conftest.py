@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
@@ -31,10 +32,28 @@ from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore, utcnow
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
+
+# In CI (.ci/run exports CI=true) every run draws the same examples, so a red build is
+# the code's doing and reproduces, never a new seed's; and no example database is
+# written, as a fresh clone would only throw it away. Recent Hypothesis loads a built-in
+# profile like this one when it sees CI; ours says so here, for every version that
+# pyproject.toml admits. Loaded on import, before the test modules build their own
+# settings objects on top of it.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,  # a shared CI machine's pauses are not the code's
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
@@ -49,6 +68,19 @@ NO_MARIADB = (
     "`docker compose up -d mariadb`, or set "
     "IDEMPOTENCY_TEST_MARIADB_URL=mariadb+asyncmy://user:password@host:port; "
     "deselect them with -m 'not mariadb'."
+)
+
+NO_RABBITMQ = (
+    "RabbitMQ is required for the tests marked rabbitmq and none could be reached on "
+    "{where}. Start it with `rabbitmq-server -detached` (as .ci/run does), or set "
+    "IDEMPOTENCY_TEST_AMQP_URL=amqp://user:password@host:port/; "
+    "deselect them with -m 'not rabbitmq'."
+)
+
+NO_NATS = (
+    "NATS with JetStream is required for the tests marked nats and none could be reached "
+    "on {where}. Start it with `nats-server -js -a 127.0.0.1 -p 4222 &` (as .ci/run does), "
+    "or set IDEMPOTENCY_TEST_NATS_URL=nats://host:port; deselect them with -m 'not nats'."
 )
 
 
@@ -289,6 +321,31 @@ def mariadb_url(mariadb_server: MariaDBServer) -> Iterator[str]:
     with mariadb_server.database("idem_test") as url:
         _prepare(url)
         yield url
+
+
+def _broker_url(env: str, default: str, advice: str) -> str:
+    from urllib.parse import urlsplit
+
+    url = os.environ.get(env) or default
+    parts = urlsplit(url)
+    if not _reachable(parts.hostname or "127.0.0.1", parts.port or 0):
+        where = f"{parts.hostname}:{parts.port}"
+        pytest.fail(advice.format(where=where), pytrace=False)
+    return url
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """RabbitMQ: ``IDEMPOTENCY_TEST_AMQP_URL``, else guest on 127.0.0.1:5672; fails if down."""
+    return _broker_url(
+        "IDEMPOTENCY_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/", NO_RABBITMQ
+    )
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> str:
+    """NATS with JetStream: ``IDEMPOTENCY_TEST_NATS_URL``, else 127.0.0.1:4222; fails if down."""
+    return _broker_url("IDEMPOTENCY_TEST_NATS_URL", "nats://127.0.0.1:4222", NO_NATS)
 
 
 STORE_KINDS = [
@@ -597,7 +654,9 @@ def tiny() -> TinyFactory:
                 Route("/boom", boom, methods=["POST"]),
                 Route("/cookie", cookie, methods=["POST"]),
             ],
-            middleware=[Middleware(IdempotencyMiddleware, store=store, **kwargs)],
+            middleware=[
+                Middleware(IdempotencyMiddleware, store=store, **{"principal": ANONYMOUS, **kwargs})
+            ],
         )
         return Tiny(app, calls, gate, entered)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import httpx
@@ -25,7 +25,13 @@ async def start(app: Any) -> tuple[dict[str, Any], Callable[[], Awaitable[None]]
     async def stop() -> None:
         if not task.done():
             await inbox.put({"type": "lifespan.shutdown"})
-        await asyncio.wait_for(task, 10)
+        if answer["type"] != "lifespan.startup.failed":
+            await asyncio.wait_for(task, 10)
+            return
+        # A failed startup also raises its reason from the app, as Starlette's own does;
+        # the reason is the answer's message.
+        with suppress(Exception):
+            await asyncio.wait_for(task, 10)
 
     return answer, stop
 

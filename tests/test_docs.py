@@ -26,10 +26,7 @@ def test_every_docs_file_named_in_src_exists() -> None:
 
 
 def test_every_readme_section_named_in_src_exists() -> None:
-    headings = {
-        m.group(1).strip()
-        for m in re.finditer(r"^#+ (.+)$", docs_text(), re.M)
-    }
+    headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", docs_text(), re.M)}
     named = {
         (source.relative_to(ROOT), section)
         for source in SOURCES

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from tests.conftest import PgServer, _prepare
 
@@ -51,7 +52,12 @@ def _app(store: Store, calls: list[int]) -> Starlette:
     return Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
         middleware=[
-            Middleware(IdempotencyMiddleware, store=store, policies={"POST /pay": Policy()})
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                principal=ANONYMOUS,
+                policies={"POST /pay": Policy()},
+            )
         ],
     )
 

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
+from asgi_idempotency.principals import ANONYMOUS
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +57,12 @@ class Uploads:
                 Route("/events", events, methods=["POST"]),
             ],
             middleware=[
-                Middleware(IdempotencyMiddleware, store=MemoryStore(), policies=self.policies)
+                Middleware(
+                    IdempotencyMiddleware,
+                    store=MemoryStore(),
+                    principal=ANONYMOUS,
+                    policies=self.policies,
+                )
             ],
         )
 

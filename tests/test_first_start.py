@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
 from asgi_idempotency.migrations import VERSION_TABLE, head
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.schema import metadata
 from tests.conftest import PgServer
 from tests.lifespan import start
@@ -60,7 +61,7 @@ def guarded_app(store: SQLStore, events: list[str] | None = None, **kwargs: Any)
                 IdempotencyMiddleware,
                 store=store,
                 policies={"POST /pay": Policy(required=True)},
-                **kwargs,
+                **{"principal": ANONYMOUS, **kwargs},
             )
         ],
         lifespan=lifespan,

@@ -10,6 +10,7 @@ import pytest
 from asgi_idempotency.lifecycle import (
     ClaimOutcome,
     RecordState,
+    completion_backoff,
     completion_retries,
     judge,
     state_of,
@@ -70,7 +71,16 @@ def test_a_live_claim_past_its_ttl_is_running_not_expired() -> None:
     assert judge(record, "x", NOW + SECOND) is ClaimOutcome.CLAIMED
 
 
-def test_a_failed_completion_is_retried_a_few_times_within_one_lease() -> None:
+def test_an_orphaned_claims_release_is_tried_a_few_times_within_one_lease() -> None:
     assert completion_retries(timedelta(seconds=30)) == [0.1, 0.2, 0.4, 0.8, 1.6]
     assert completion_retries(timedelta(seconds=1)) == [0.1, 0.2, 0.4]  # 0.8 more is past it
     assert completion_retries(timedelta(milliseconds=100)) == []
+
+
+def test_a_failed_completion_is_retried_for_the_leases_life() -> None:
+    delays = completion_backoff(timedelta(seconds=30))
+    assert delays[:6] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0]  # doubling, then two seconds apart
+    assert set(delays[5:]) == {2.0}
+    assert 28.0 <= sum(delays) < 30.0  # the last attempt within two seconds of the lease's end
+    assert completion_backoff(timedelta(seconds=1)) == [0.1, 0.2, 0.4]  # 0.8 more is past it
+    assert completion_backoff(timedelta(milliseconds=100)) == []

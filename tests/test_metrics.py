@@ -32,6 +32,7 @@ from asgi_idempotency import (
 from asgi_idempotency import metrics as metrics_module
 from asgi_idempotency import prometheus as prometheus_module
 from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
 from tests.conftest import StoreClock, TinyFactory
@@ -238,7 +239,9 @@ async def test_the_metrics_route_answers_200_at_slash_metrics(
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry)
     app = make_app()
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+    app.add_middleware(
+        IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS, metrics=metrics
+    )
     app.add_route("/metrics", metrics.endpoint)
     async with asgi_client(app) as client:
         assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
@@ -280,7 +283,9 @@ async def test_two_apps_count_into_the_default_registry_together() -> None:
     for make_app in (starlette_app, fastapi_app):
         app = make_app()
         metrics = PrometheusMetrics()  # each app its own, both on the default registry
-        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=metrics)
+        app.add_middleware(
+            IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS, metrics=metrics
+        )
         app.add_route("/metrics", metrics.endpoint)
         apps.append(app)
     scraped = []
@@ -320,12 +325,16 @@ async def test_route_labels_emitted_are_the_ones_documented() -> None:
         await JSONResponse({"ok": True}, status_code=201)(scope, receive, send)
 
     policies = {"/pay": Policy(required=True)}
-    unrouted = IdempotencyMiddleware(bare, store=MemoryStore(), policies=policies, metrics=memory)
+    unrouted = IdempotencyMiddleware(
+        bare, store=MemoryStore(), principal=ANONYMOUS, policies=policies, metrics=memory
+    )
     async with asgi_client(unrouted) as client:
         assert (await client.post("/pay", headers={"Idempotency-Key": "k"})).status_code == 201
 
     routed = starlette_app()
-    routed.add_middleware(IdempotencyMiddleware, store=MemoryStore(), metrics=memory)
+    routed.add_middleware(
+        IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS, metrics=memory
+    )
     async with asgi_client(routed) as client:
         missing = await client.post("/nope", headers={"Idempotency-Key": "k"})
         wrong_method = await client.put("/pay", headers={"Idempotency-Key": "k"})

@@ -313,9 +313,9 @@ def test_retry_after_must_be_a_positive_number() -> None:
 
     for bad in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="retry_after"):
-            IdempotencyMiddleware(app, store=MemoryStore(), retry_after=bad)
+            IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS, retry_after=bad)
     with pytest.raises(TypeError, match="retry_after"):
-        IdempotencyMiddleware(app, store=MemoryStore(), retry_after="1")  # type: ignore[arg-type]
+        IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS, retry_after="1")  # type: ignore[arg-type]
 
 
 async def test_the_guard_added_with_add_middleware_is_reachable_for_its_snapshot() -> None:

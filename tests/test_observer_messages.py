@@ -5,9 +5,9 @@ setups print) shows nothing but the message: it must be one line that says what
 failed and what to do, for a missing table and for a database that does not answer.
 The structured fields (``extra``) stay as they were.
 
-With no logging configured at all the package prints nothing (its logger has a
-``NullHandler``, see the README's Log events): these lines appear once the
-application configures logging.
+With no logging configured at all, a started middleware shows WARNING and up in
+uvicorn's output or on stderr (docs/operations.md, Log events;
+tests/test_startup_refusals.py serves one with uvicorn).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.sql import SQLStore
 from tests.conftest import PgServer
 
@@ -60,7 +61,7 @@ async def _post(url: str) -> httpx.Response:
     store = SQLStore(url, command_timeout=2)
     app = Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
     )
     try:
         transport = httpx.ASGITransport(app=app)  # no lifespan: checked on the request

@@ -514,9 +514,7 @@ async def test_a_holder_sigkilled_mid_call_is_taken_over_after_its_lease_exactly
         try:
             early = await asyncio.to_thread(in_threads, lambda: at_once("A-1", str(effects)), 1)
             assert utcnow() < abandoned.locked_until  # answered inside the dead holder's lease
-            racers = await asyncio.to_thread(
-                in_threads, lambda: waiting("A-1", str(effects)), 10
-            )
+            racers = await asyncio.to_thread(in_threads, lambda: waiting("A-1", str(effects)), 10)
         finally:
             once.close()
         done = await probe.get(key)

@@ -121,8 +121,8 @@ def shop() -> FastAPI:
 def guarded(app: FastAPI) -> FastAPI:
     """``app`` behind the middleware, its schema documented with the middleware's answers."""
     store = MemoryStore()
-    app.add_middleware(IdempotencyMiddleware, store=store, policies=POLICIES)
-    answers = IdempotencyMiddleware(app, store=store, policies=POLICIES)
+    app.add_middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS, policies=POLICIES)
+    answers = IdempotencyMiddleware(app, store=store, principal=ANONYMOUS, policies=POLICIES)
     assert install_openapi(app, guard_of_for(answers, app))
     return app
 
@@ -285,7 +285,7 @@ async def test_openapi_twice_and_install_twice() -> None:
     # Installing again re-wraps FastAPI's own openapi, not our wrapper: a fresh schema
     # is completed once per call, so guard_of is asked once per operation.
     asked: list[tuple[str, str]] = []
-    mw = IdempotencyMiddleware(app, store=MemoryStore(), policies=POLICIES)
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS, policies=POLICIES)
     answer = guard_of_for(mw, app)
 
     def counting(method: str, template: str, /) -> Policy | None:
@@ -343,7 +343,7 @@ def by_hand(mw: IdempotencyMiddleware, app: FastAPI) -> Callable[[str, str], Pol
 
 def test_guard_of_for_agrees_with_the_policy_lookup_by_hand() -> None:
     app = shop()
-    mw = IdempotencyMiddleware(app, store=MemoryStore(), policies=POLICIES)
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS, policies=POLICIES)
     hand = copy.deepcopy(app.openapi())
     apply_to_schema(hand, by_hand(mw, app))
     assert install_openapi(app, guard_of_for(mw, app))
@@ -353,7 +353,7 @@ def test_guard_of_for_agrees_with_the_policy_lookup_by_hand() -> None:
 
 def test_guard_of_for_answers_as_the_middleware_decides() -> None:
     app = shop()
-    mw = IdempotencyMiddleware(app, store=MemoryStore(), policies=POLICIES)
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS, policies=POLICIES)
     guard_of = guard_of_for(mw, app)
     assert guard_of("POST", REFUNDS) == Policy(required=True, max_body_bytes=2048)
     assert guard_of("POST", CANCEL) is POLICIES[f"POST {CANCEL}"]
@@ -390,7 +390,7 @@ def test_the_schema_is_valid_openapi() -> None:
 
 def test_an_app_without_openapi_is_left_alone() -> None:
     app = Starlette()
-    mw = IdempotencyMiddleware(app, store=MemoryStore())
+    mw = IdempotencyMiddleware(app, store=MemoryStore(), principal=ANONYMOUS)
     assert install_openapi(app, guard_of_for(mw, app)) is False
     assert install_openapi(None, guard_of_for(mw, app)) is False
     assert not hasattr(app, "openapi")
@@ -408,6 +408,7 @@ async def test_a_webhook_route_documents_its_signature_not_the_key_header() -> N
     app.add_middleware(
         IdempotencyMiddleware,
         store=MemoryStore(),
+        principal=ANONYMOUS,
         policies={"POST /hooks/github": Policy(key_from=github("secret"))},
     )
     operation = (await served_schema(app))["paths"]["/hooks/github"]["post"]
@@ -457,9 +458,8 @@ async def test_a_principal_that_can_name_no_caller_documents_the_401_it_sends() 
     }
 
 
-@pytest.mark.parametrize("principal", [ANONYMOUS, None], ids=["anonymous", "default"])
-async def test_no_401_where_the_guard_never_answers_one(principal: Any) -> None:
-    app = _caller_app(principal)
+async def test_no_401_where_the_guard_never_answers_one() -> None:
+    app = _caller_app(ANONYMOUS)
     refunds = (await served_schema(app))["paths"]["/refunds"]["post"]["responses"]
     assert "401" not in refunds
     async with client(app) as c:

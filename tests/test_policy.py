@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
 from asgi_idempotency.policy import policy_of
+from asgi_idempotency.principals import ANONYMOUS
 
 pytestmark = pytest.mark.anyio
 
@@ -61,6 +62,7 @@ def fastapi_app(calls: list[str]) -> FastAPI:
     app.add_middleware(
         IdempotencyMiddleware,
         store=MemoryStore(),
+        principal=ANONYMOUS,
         policies={"PUT /v1/orders/{order_id}/tag": Policy(required=True)},
     )
     return app
@@ -105,7 +107,7 @@ async def test_unmatched_routes_pass_through_to_the_router() -> None:
     store = MemoryStore()
     app = fastapi_app(calls)
     app.user_middleware.clear()
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)
     async with client(app) as c:
         r = await c.post("/nope", headers={"Idempotency-Key": "x"})
         wrong_method = await c.patch("/v1/orders/1/refunds", headers={"Idempotency-Key": "x"})
@@ -121,7 +123,9 @@ async def test_a_bare_asgi_app_is_guarded_by_path() -> None:
         calls.append(scope["path"])
         await JSONResponse({"n": len(calls)})(scope, receive, send)
 
-    app = IdempotencyMiddleware(bare, store=MemoryStore(), policies={"/pay": Policy(required=True)})
+    app = IdempotencyMiddleware(
+        bare, store=MemoryStore(), principal=ANONYMOUS, policies={"/pay": Policy(required=True)}
+    )
     async with client(app) as c:
         assert (await c.post("/pay")).status_code == 400
         await c.post("/pay", headers={"Idempotency-Key": "b"})
@@ -145,7 +149,7 @@ async def test_starlette_mounts_resolve_with_their_prefix() -> None:
     api = Starlette(routes=[Route("/accounts/{acct}/pay", pay, methods=["POST"])])
     app = Starlette(
         routes=[Mount("/api", routes=[Mount("/v2", app=api)])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         assert (await c.post("/api/v2/accounts/a/pay")).status_code == 400
@@ -217,21 +221,21 @@ def test_non_positive_durations_are_refused_by_name(name: str, value: timedelta)
 
 
 async def test_routes_added_after_the_first_request_are_resolved() -> None:
+    # The policy is the endpoint's: a policies-map entry naming a route the app does not
+    # serve yet is refused at the first request (test_startup_refusals.py).
     calls: list[str] = []
 
+    @idempotent(required=True)
     async def late(request: Request) -> JSONResponse:
         calls.append("late")
         return JSONResponse({}, status_code=201)
 
+    async def early(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
     app = Starlette(
-        routes=[Route("/early", late, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=MemoryStore(),
-                policies={"POST /late": Policy(required=True)},
-            )
-        ],
+        routes=[Route("/early", early, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         assert (await c.post("/late")).status_code == 404
@@ -259,7 +263,7 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
             ),
             Host("lax.example", app=Router([Route("/pay", endpoint("lax"), methods=["POST"])])),
         ],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         lax = await c.post("http://lax.example/pay")
@@ -271,18 +275,16 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
 
 async def test_routes_added_inside_a_mount_after_the_first_request_are_resolved() -> None:
     # The top-level route list keeps its length here; the Mount's list is what grows.
+    @idempotent(required=True)
     async def late(request: Request) -> JSONResponse:
         return JSONResponse({}, status_code=201)
 
+    async def early(request: Request) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
     app = Starlette(
-        routes=[Mount("/api", routes=[Route("/early", late, methods=["POST"])])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=MemoryStore(),
-                policies={"POST /api/late": Policy(required=True)},
-            )
-        ],
+        routes=[Mount("/api", routes=[Route("/early", early, methods=["POST"])])],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         assert (await c.post("/api/late")).status_code == 404
@@ -300,7 +302,7 @@ def _bare_ok() -> Callable[[Any, Any, Any], Awaitable[None]]:
 
 
 async def test_settings_assigned_after_the_first_request_take_effect() -> None:
-    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore())
+    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore(), principal=ANONYMOUS)
     async with client(guard) as c:
         assert (await c.post("/pay")).status_code == 201  # default policy: key optional
         guard.policies = {"/pay": Policy(required=True)}
@@ -324,7 +326,7 @@ async def test_one_middleware_resolves_each_router_it_is_given_on_its_own() -> N
     async def lax(request: Request) -> JSONResponse:
         return JSONResponse({}, status_code=201)
 
-    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore())
+    guard = IdempotencyMiddleware(_bare_ok(), store=MemoryStore(), principal=ANONYMOUS)
     apps = {
         name: Starlette(routes=[Route("/pay", endpoint, methods=["POST"])])
         for name, endpoint in (("strict", strict), ("lax", lax))

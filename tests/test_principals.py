@@ -37,13 +37,21 @@ from starlette.authentication import (
 )
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from asgi_idempotency import (
+    IdempotencyMiddleware,
+    InMemoryMetrics,
+    MemoryStore,
+    Outcome,
+    Policy,
+    idempotent,
+)
 from asgi_idempotency.principals import (
     ANONYMOUS,
     from_dependency,
@@ -66,9 +74,12 @@ class RefundIn(BaseModel):
 
 @dataclass
 class Effects:
-    """Who each run of the handler was for."""
+    """Who each run of the handler was for (and, for nested guards, what each counted)."""
 
     runs: list[str] = field(default_factory=list)
+    store: MemoryStore = field(default_factory=MemoryStore)
+    outer: InMemoryMetrics = field(default_factory=InMemoryMetrics)
+    inner: InMemoryMetrics = field(default_factory=InMemoryMetrics)
 
 
 # --- FastAPI auth in a dependency ------------------------------------------------------
@@ -218,12 +229,15 @@ def _header_token_app(effects: Effects, principal: Any) -> FastAPI:
 CASES["a token in a Header() parameter"] = Case(_header_token_app, "/refunds", _header("x-token"))
 
 
+CHOICES = ("from_dependency(", "from_user()", "from_session(", "from_headers(", "ANONYMOUS")
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
-async def test_fastapi_auth_without_a_principal_is_refused_at_startup(case: Case) -> None:
-    message = await refuses(case.build(Effects(), None))
-    assert "principal=from_dependency(" in message
-    assert "POST" in message
-    assert "refunds" in message
+def test_fastapi_auth_without_a_principal_does_not_start(case: Case) -> None:
+    app = case.build(Effects(), None)
+    with pytest.raises(TypeError) as refused:
+        app.build_middleware_stack()  # what Starlette does as it starts
+    assert all(choice in str(refused.value) for choice in CHOICES), refused.value
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
@@ -385,10 +399,9 @@ def session_app(effects: Effects, principal: Any, *, guard_outside: bool = False
     )
 
 
-@pytest.mark.parametrize("guard_outside", [False, True])
-async def test_session_middleware_without_a_principal_is_refused(guard_outside: bool) -> None:
-    message = await refuses(session_app(Effects(), None, guard_outside=guard_outside))
-    assert "from_session(" in message
+def test_session_middleware_without_a_principal_does_not_start() -> None:
+    with pytest.raises(TypeError, match=r"from_session\("):
+        session_app(Effects(), None).build_middleware_stack()
 
 
 async def test_from_session_inside_session_middleware_is_refused() -> None:
@@ -436,17 +449,9 @@ def gateway_app(effects: Effects, **guard: Any) -> Starlette:
     )
 
 
-async def test_gateway_headers_without_a_principal_are_a_500_naming_the_helper() -> None:
-    effects = Effects()
-    async with served(gateway_app(effects)) as c:
-        r = await c.post(
-            "/subscriptions", json=BODY,
-            headers={"Idempotency-Key": KEY, "X-Tenant-Id": "acme", "X-User-Id": "1"},
-        )  # fmt: skip
-    assert r.status_code == 500
-    assert r.headers["content-type"] == "application/problem+json"
-    assert "from_headers(" in r.json()["detail"]
-    assert effects.runs == []
+def test_gateway_headers_without_a_principal_do_not_start() -> None:
+    with pytest.raises(TypeError, match=r"from_headers\("):
+        gateway_app(Effects()).build_middleware_stack()  # what Starlette does as it starts
 
 
 async def test_from_headers_keeps_tenants_apart() -> None:
@@ -543,13 +548,15 @@ def starlette_auth_app(
 
 
 async def test_authentication_middleware_inside_the_guard_is_refused() -> None:
-    message = await refuses(starlette_auth_app(Effects(), SimpleUser, inside=True))
+    message = await refuses(
+        starlette_auth_app(Effects(), SimpleUser, inside=True, principal=from_user())
+    )
     assert "AuthenticationMiddleware is inside IdempotencyMiddleware" in message
 
 
 async def test_a_user_without_identity_is_a_500_never_its_display_name() -> None:
     effects = Effects()
-    app = starlette_auth_app(effects, lambda name: NamedUser("Jordan Lee"))
+    app = starlette_auth_app(effects, lambda name: NamedUser("Jordan Lee"), principal=from_user())
     async with served(app) as c:
         r = await c.post(
             "/refunds",
@@ -561,7 +568,7 @@ async def test_a_user_without_identity_is_a_500_never_its_display_name() -> None
     assert effects.runs == []
 
 
-async def test_an_authenticated_user_with_identity_is_found_by_default() -> None:
+async def test_from_user_finds_an_authenticated_user_s_identity() -> None:
     effects = Effects()
 
     class Person(SimpleUser):
@@ -569,7 +576,7 @@ async def test_an_authenticated_user_with_identity_is_found_by_default() -> None
         def identity(self) -> str:
             return "user-" + self.username
 
-    app = starlette_auth_app(effects, Person)
+    app = starlette_auth_app(effects, Person, principal=from_user())
     async with served(app) as c:
 
         def post(token: str) -> Any:
@@ -588,11 +595,12 @@ async def test_an_authenticated_user_with_identity_is_found_by_default() -> None
     assert effects.runs == ["alice", "bob"]
 
 
-async def test_from_user_with_an_identity_function() -> None:
+@pytest.mark.parametrize(
+    "identity", [lambda u: "id:" + u.name, "name"], ids=["function", "attribute"]
+)
+async def test_from_user_with_an_identity_function(identity: Any) -> None:
     effects = Effects()
-    app = starlette_auth_app(
-        effects, NamedUser, principal=from_user(identity=lambda u: "id:" + u.name)
-    )
+    app = starlette_auth_app(effects, NamedUser, principal=from_user(identity=identity))
     async with served(app) as c:
         first = await c.post(
             "/refunds",
@@ -697,3 +705,359 @@ async def test_two_listeners_of_one_host_name_share_its_records() -> None:
         via_b = await b.post("/subscriptions", json=BODY, headers=headers)
     assert via_b.headers["idempotent-replayed"] == "true"
     assert len(effects.runs) == 1
+
+
+# --- principal= is required (no default that guesses) ------------------------------------
+
+
+def _x_token_app(effects: Effects, **guard: Any) -> Starlette:
+    """An app with its own auth header: a BaseHTTPMiddleware reads ``X-Token`` and sets
+    ``request.state.user``, as many apps do; no header the guard could know of."""
+
+    class TokenAuth(BaseHTTPMiddleware):
+        async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+            user = TOKENS.get(request.headers.get("x-token", ""))
+            if user is None:
+                return JSONResponse({"detail": "unauthenticated"}, status_code=401)
+            request.state.user = user
+            return await call_next(request)
+
+    @idempotent(required=True)
+    async def refund(request: Request) -> Response:
+        effects.runs.append(request.state.user)
+        return JSONResponse({"refund": len(effects.runs)}, status_code=201)
+
+    return Starlette(
+        routes=[Route("/refunds", refund, methods=["POST"])],
+        middleware=[
+            Middleware(TokenAuth),  # outside the guard: it runs first
+            Middleware(IdempotencyMiddleware, store=MemoryStore(), **guard),
+        ],
+    )
+
+
+def test_the_guard_does_not_start_without_being_told_who_the_caller_is() -> None:
+    # Before: the default looked for headers it knew, found none in X-Token, scoped
+    # every caller as anonymous, and Bob received Alice's stored refund.
+    with pytest.raises(TypeError) as refused:
+        _x_token_app(Effects()).build_middleware_stack()  # what Starlette does as it starts
+    assert all(choice in str(refused.value) for choice in CHOICES), refused.value
+    with pytest.raises(TypeError, match="ANONYMOUS"):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), principal=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not a principal"):
+        IdempotencyMiddleware(Starlette(), store=MemoryStore(), principal="alice")  # type: ignore[arg-type]
+
+
+async def test_an_app_s_own_auth_header_scopes_each_caller_once_named() -> None:
+    effects = Effects()
+
+    def state_user(scope: Any) -> str | None:
+        user = scope.get("state", {}).get("user")
+        return user if isinstance(user, str) else None
+
+    async with served(_x_token_app(effects, principal=state_user)) as c:
+
+        def post(token: str) -> Any:
+            return c.post("/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-Token": token})
+
+        alice = await post("tok-alice-1")
+        bob = await post("tok-bob-1")
+        again = await post("tok-alice-2")
+    assert alice.status_code == bob.status_code == 201
+    assert "idempotent-replayed" not in bob.headers  # Bob never gets Alice's refund
+    assert again.headers["idempotent-replayed"] == "true"
+    assert effects.runs == ["alice", "bob"]
+
+
+# --- A mounted app with its own guard: that guard decides ---------------------------------
+
+
+def _mounted(
+    effects: Effects, outer_policies: dict[str, Policy] | None = None, *, how: str = "app"
+) -> Starlette:
+    """An outer guard (ANONYMOUS: a public API) around a Mount with a guard of its own,
+    scoped by the ``X-User`` its gateway verifies: in the mounted app's middleware, or in
+    the Mount's own ``middleware=``."""
+
+    @idempotent(required=True)
+    async def refund(request: Request) -> Response:
+        effects.runs.append(request.headers["x-user"])
+        return JSONResponse({"refund": len(effects.runs)}, status_code=201)
+
+    inner_guard = Middleware(
+        IdempotencyMiddleware,
+        store=effects.store,
+        principal=from_headers("X-User"),
+        metrics=effects.inner,
+    )
+    routes = [Route("/refunds", refund, methods=["POST"])]
+    mount = (
+        Mount("/billing", Starlette(routes=routes, middleware=[inner_guard]))
+        if how == "app"
+        else Mount("/billing", routes=routes, middleware=[inner_guard])
+    )
+    return Starlette(
+        routes=[mount],
+        middleware=[
+            Middleware(
+                IdempotencyMiddleware,
+                store=effects.store,
+                principal=ANONYMOUS,
+                metrics=effects.outer,
+                policies=outer_policies,
+            )
+        ],
+    )
+
+
+async def test_a_mounted_app_s_own_guard_decides_with_its_principal() -> None:
+    effects = Effects()
+    async with served(_mounted(effects)) as c:
+
+        def post(user: str) -> Any:
+            return c.post(
+                "/billing/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-User": user}
+            )
+
+        alice = await post("alice")
+        bob = await post("bob")
+        again = await post("alice")
+        nobody = await c.post("/billing/refunds", json=BODY, headers={"Idempotency-Key": KEY})
+    assert alice.status_code == bob.status_code == 201, (alice.text, bob.text)
+    # Before: the outer guard decided with ANONYMOUS and Bob received Alice's refund.
+    assert "idempotent-replayed" not in bob.headers
+    assert bob.json() != alice.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    assert nobody.status_code == 401  # the inner principal's answer, not the outer's
+    assert effects.runs == ["alice", "bob"]
+    # Guarded exactly once: the inner guard saw every request, the outer none.
+    assert effects.outer.snapshot().total() == 0
+    inner = effects.inner.snapshot()
+    assert inner.total(Outcome.EXECUTED) == 2
+    assert inner.total(Outcome.REPLAYED) == 1
+
+
+async def test_a_guard_in_a_mount_s_own_middleware_is_refused() -> None:
+    # It would resolve no route (the Mount's routes are not the app's) and so never
+    # decide: the outer guard, with its principal, would.
+    message = await refuses(_mounted(Effects(), how="mount"))
+    assert "Mount('/billing', middleware=[...])" in message
+
+
+async def test_an_outer_policy_for_a_route_a_guarded_mount_serves_is_refused() -> None:
+    message = await refuses(_mounted(Effects(), {"POST /billing/refunds": Policy(required=True)}))
+    assert "/billing" in message
+    assert "its own" in message
+
+
+async def test_from_dependency_outside_a_mount_with_its_own_guard_leaves_it_to_that_guard() -> None:
+    """The outer FastAPI guard neither claims at the mounted app's routes nor refuses them
+    for not using its dependency: the inner guard is theirs."""
+    effects = Effects()
+
+    def current_client(key: Annotated[str, Depends(APIKeyHeader(name="X-API-Key"))]) -> str:
+        if key not in TOKENS:
+            raise HTTPException(401, "bad key")
+        return TOKENS[key]
+
+    outer = FastAPI()
+
+    @outer.post("/orders", status_code=201)
+    async def order(client: str = Depends(current_client)) -> dict[str, str]:
+        return {"for": client}
+
+    outer.mount("/billing", _mounted(effects).routes[0].app)  # type: ignore[attr-defined]
+    outer.add_middleware(
+        IdempotencyMiddleware, store=effects.store, principal=from_dependency(current_client)
+    )
+    async with served(outer) as c:
+        for user in ("alice", "bob"):
+            r = await c.post(
+                "/billing/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-User": user}
+            )
+            assert r.status_code == 201
+            assert "idempotent-replayed" not in r.headers
+    assert effects.runs == ["alice", "bob"]
+
+
+# --- from_dependency: every keyed route names its caller, or the app does not start ------
+
+
+def _two_auth_app(effects: Effects, **guard: Any) -> FastAPI:
+    """Clients authenticate with X-API-Key (``current_client``); the admin refund route
+    with its own header, through another dependency."""
+
+    def current_client(key: Annotated[str, Depends(APIKeyHeader(name="X-API-Key"))]) -> str:
+        if key not in TOKENS:
+            raise HTTPException(401, "bad key")
+        return TOKENS[key]
+
+    def current_admin(x_admin_token: Annotated[str, Header()]) -> str:
+        if x_admin_token != "admin-secret":
+            raise HTTPException(401, "not an admin")
+        return "admin"
+
+    app = FastAPI()
+
+    @app.post("/refunds", status_code=201)
+    async def refund(client: str = Depends(current_client)) -> dict[str, int]:
+        effects.runs.append(client)
+        return {"refund": len(effects.runs)}
+
+    @app.post("/admin/refunds", status_code=201)
+    async def admin_refund(admin: str = Depends(current_admin)) -> dict[str, int]:
+        effects.runs.append(admin)
+        return {"refund": len(effects.runs)}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        principal=from_dependency(current_client),
+        **guard,
+    )
+    return app
+
+
+async def test_a_keyed_route_authenticated_by_another_dependency_does_not_start() -> None:
+    # Before: the app started, and two keyed POSTs to /admin/refunds both ran (201, 201).
+    message = await refuses(_two_auth_app(Effects()))
+    assert "POST /admin/refunds" in message
+    assert "current_client" in message
+    assert "Policy(enabled=False)" in message
+    assert "POST /refunds " not in message  # the route that uses it is fine
+
+
+async def test_an_exempted_route_runs_as_the_app_says_and_the_others_stay_guarded() -> None:
+    effects = Effects()
+    app = _two_auth_app(effects, policies={"POST /admin/refunds": Policy(enabled=False)})
+    async with served(app) as c:
+        admin = {"Idempotency-Key": KEY, "X-Admin-Token": "admin-secret"}
+        runs = [(await c.post("/admin/refunds", headers=admin)).status_code for _ in range(2)]
+        client = {"Idempotency-Key": KEY, "X-API-Key": "tok-alice-1"}
+        first = await c.post("/refunds", headers=client)
+        again = await c.post("/refunds", headers=client)
+    assert runs == [201, 201]  # exempted in so many words: the app's choice
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert effects.runs == ["admin", "admin", "alice"]
+
+
+async def test_a_route_added_after_startup_refuses_keyed_requests_rather_than_run_twice() -> None:
+    effects = Effects()
+    app = _two_auth_app(effects, policies={"POST /admin/refunds": Policy(enabled=False)})
+    async with served(app) as c:
+
+        @app.post("/late", status_code=201)
+        async def late() -> dict[str, str]:
+            effects.runs.append("late")
+            return {}
+
+        keyed = await c.post("/late", headers={"Idempotency-Key": KEY})
+        plain = await c.post("/late")
+    assert keyed.status_code == 500
+    assert keyed.headers["content-type"] == "application/problem+json"
+    assert "Policy(enabled=False)" in keyed.json()["detail"]
+    assert plain.status_code == 201  # no key: nothing to keep, the default policy's way
+    assert effects.runs == ["late"]
+
+
+# --- from_dependency: what the dependency returns names the caller ------------------------
+
+
+class TutorialUser(BaseModel):
+    """FastAPI's JWT tutorial user: no id, no identity."""
+
+    username: str
+    email: str | None = None
+    full_name: str | None = None
+    disabled: bool | None = None
+
+
+def _tutorial_app(effects: Effects, **identity: Any) -> FastAPI:
+    oauth2_scheme = OAuth2PasswordBearer(tokenUrl="token")
+
+    async def get_current_user(token: str = Depends(oauth2_scheme)) -> TutorialUser:
+        if token not in TOKENS:
+            raise HTTPException(401, "bad token")
+        return TutorialUser(username=TOKENS[token], full_name="Jordan Lee")
+
+    app = FastAPI()
+
+    @app.post("/token")
+    async def login() -> dict[str, str]:
+        return {"access_token": "tok-alice-1", "token_type": "bearer"}
+
+    @app.post("/refunds", status_code=201)
+    async def refund(user: TutorialUser = Depends(get_current_user)) -> dict[str, int]:
+        effects.runs.append(user.username)
+        return {"refund": len(effects.runs)}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=MemoryStore(),
+        principal=from_dependency(get_current_user, **identity),
+        policies={"POST /token": Policy(enabled=False)},
+    )
+    return app
+
+
+async def test_a_dependency_returning_a_user_without_identity_does_not_start() -> None:
+    # Before: the app started, and every guarded request was a 500.
+    message = await refuses(_tutorial_app(Effects()))
+    assert "TutorialUser" in message
+    assert "identity=" in message
+
+
+@pytest.mark.parametrize(
+    "identity", ["username", lambda user: user.username], ids=["attribute", "function"]
+)
+async def test_identity_names_the_caller_of_a_user_without_one(identity: Any) -> None:
+    effects = Effects()
+    async with served(_tutorial_app(effects, identity=identity)) as c:
+
+        def post(token: str) -> Any:
+            return c.post(
+                "/refunds",
+                headers={"Idempotency-Key": KEY, "Authorization": f"Bearer {token}"},
+            )
+
+        alice = await post("tok-alice-1")
+        bob = await post("tok-bob-1")
+        refreshed = await post("tok-alice-2")
+    assert alice.status_code == bob.status_code == 201
+    assert "idempotent-replayed" not in bob.headers
+    assert refreshed.headers["idempotent-replayed"] == "true"
+    assert effects.runs == ["alice", "bob"]
+
+
+async def test_an_identity_attribute_the_user_lacks_is_a_500_naming_it() -> None:
+    effects = Effects()
+    async with served(_tutorial_app(effects, identity="user_id")) as c:
+        r = await c.post(
+            "/refunds", headers={"Idempotency-Key": KEY, "Authorization": "Bearer tok-alice-1"}
+        )
+    assert r.status_code == 500
+    assert "user_id" in r.json()["detail"]
+    assert effects.runs == []
+
+
+def test_return_annotations_that_name_a_caller_pass_the_startup_check() -> None:
+    from asgi_idempotency.fastapi_claim import unnamed_return
+
+    @dataclass
+    class Account:
+        id: int
+
+    class Person(BaseModel):
+        identity: str
+
+    def returns(annotation: Any) -> Callable[[], Any]:
+        def dep() -> None: ...
+
+        dep.__annotations__["return"] = annotation
+        return dep
+
+    for fine in (str, Account, Person, Account | None, Any, TutorialUser | Account):
+        assert unnamed_return(from_dependency(returns(fine))) is None, fine
+    for bad in (TutorialUser, TutorialUser | None, int, dict[str, str]):
+        assert unnamed_return(from_dependency(returns(bad))) is not None, bad

@@ -20,6 +20,7 @@ import pytest
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore, idempotent
 from asgi_idempotency.cli import Exit
 from asgi_idempotency.urls import ENV_URL
+from asgi_idempotency.webhooks import github
 from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,11 @@ def test_the_policy_table_gives_the_defaults_policy_has() -> None:
             assert text == "the smaller of 30 s and `ttl`"
             assert plain.lease == timedelta(seconds=30)
             assert Policy(ttl=timedelta(seconds=1)).lease == timedelta(seconds=1)
+            continue
+        if name == "max_body_bytes":
+            assert text == "1 MiB; 25 MB with `key_from=github(...)`"
+            assert plain.max_body_bytes == 1024 * 1024
+            assert Policy(key_from=github("s")).max_body_bytes == 25 * 1024 * 1024
             continue
         assert getattr(plain, name) == _default(text), name
 

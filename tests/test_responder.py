@@ -25,6 +25,7 @@ from asgi_idempotency import (
     StoreError,
 )
 from asgi_idempotency.asgi import Message
+from asgi_idempotency.principals import ANONYMOUS
 from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio
@@ -58,7 +59,7 @@ async def test_a_failed_background_completion_is_logged_with_its_route_and_key_d
     store = CompletionFails()
     app = Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store)],
+        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
     )
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",

@@ -19,6 +19,7 @@ from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.asgi import Message
 from asgi_idempotency.errors import StoreError
 from asgi_idempotency.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.retention import (
     Pruner,
     PruningMiddleware,
@@ -198,7 +199,9 @@ async def test_pruning_middleware_runs_the_pruner_for_the_lifespan(how: str) -> 
     middleware = (
         Middleware(PruningMiddleware, store=store, interval=3600)
         if how == "PruningMiddleware"
-        else Middleware(IdempotencyMiddleware, store=store, prune_interval=3600)
+        else Middleware(
+            IdempotencyMiddleware, store=store, principal=ANONYMOUS, prune_interval=3600
+        )
     )
     app = Starlette(middleware=[middleware])
 

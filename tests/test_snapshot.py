@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Outcome
+from asgi_idempotency.principals import ANONYMOUS
 
 pytestmark = pytest.mark.anyio
 
@@ -24,7 +25,7 @@ async def pay(request: Request) -> JSONResponse:
 async def test_counts_outcomes_by_default_and_reports_rates() -> None:
     app = Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore())],
+        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

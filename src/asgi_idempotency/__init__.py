@@ -20,14 +20,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .canonical import CanonicalJSONError, canonical_json
     from .errors import (
+        AppNotStarted,
+        AttemptsUnknown,
         BodyTooLarge,
+        GuardMisconfigured,
         IdempotencyError,
         InProgress,
+        InvalidHost,
         InvalidKey,
         InvalidSignature,
         KeyMismatch,
         KeyReused,
+        MiddlewareMisplaced,
         MissingKey,
+        MissingMessageId,
         OnceError,
         PrincipalMisconfigured,
         PrincipalMissing,
@@ -62,6 +68,8 @@ if TYPE_CHECKING:
     from .stores.sql import SQLStore
 
 __all__ = [
+    "AppNotStarted",
+    "AttemptsUnknown",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -70,17 +78,21 @@ __all__ = [
     "Claim",
     "ClaimOutcome",
     "FanOutMetrics",
+    "GuardMisconfigured",
     "IdempotencyError",
     "IdempotencyMiddleware",
     "InMemoryMetrics",
     "InProgress",
+    "InvalidHost",
     "InvalidKey",
     "InvalidSignature",
     "KeyMismatch",
     "KeyReused",
     "MemoryStore",
     "MetricsSnapshot",
+    "MiddlewareMisplaced",
     "MissingKey",
+    "MissingMessageId",
     "NewClaim",
     "Once",
     "OnceError",
@@ -129,15 +141,21 @@ _WHERE = {
     "prune_all": ".retention",
     "BodyTooLarge": ".errors",
     "IdempotencyError": ".errors",
+    "InvalidHost": ".errors",
     "InvalidKey": ".errors",
     "InvalidSignature": ".errors",
     "KeyMismatch": ".errors",
     "InProgress": ".errors",
     "KeyReused": ".errors",
     "OnceError": ".errors",
+    "MissingMessageId": ".errors",
+    "AttemptsUnknown": ".errors",
     "MissingKey": ".errors",
     "RequestInProgress": ".errors",
     "PrincipalMisconfigured": ".errors",
+    "GuardMisconfigured": ".errors",
+    "MiddlewareMisplaced": ".errors",
+    "AppNotStarted": ".errors",
     "PrincipalMissing": ".errors",
     "ResponseNotKept": ".errors",
     "SchemaMissing": ".errors",
@@ -162,9 +180,10 @@ _WHERE = {
     "RedisStore": ".stores.redis",  # the redis extra: reachable, not star-exported
 }
 
-# A library leaves log output to the application: without a handler of its own, a
-# process that configures no logging gets WARNING and up printed by Python's
-# last-resort handler. See the logging HOWTO, "Configuring Logging for a Library".
+# A library leaves log output to the application (the logging HOWTO, "Configuring
+# Logging for a Library"). The one exception: a middleware, once started, shows
+# WARNING and up in the server's log while the app configures no handler at all
+# (observer.route_to_server_log), since uvicorn configures only its own loggers.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 try:

@@ -65,15 +65,20 @@ class _Server(uvicorn.Server):
 
 @contextmanager
 def serve_in_thread(
-    app: Any, *, lifespan: Literal["on", "off"] = "off", startup_timeout: float = 10.0
+    app: Any,
+    *,
+    lifespan: Literal["on", "off"] = "off",
+    startup_timeout: float = 10.0,
+    http: Literal["h11", "httptools"] = "h11",
 ) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a thread of this process; yield its base URL; stop it after.
 
     The app runs on an event loop of its own, so a synchronous client and another loop
     can both call it, and the caller can inspect the app's Python state meanwhile.
     Pass ``lifespan="on"`` for an app whose lifespan owns resources bound to the
-    server's event loop (a SQL store). Shutdown waits at most one second for requests
-    still running, then cancels them.
+    server's event loop (a SQL store), and ``http="httptools"`` for uvicorn's other
+    HTTP/1.1 parser (it passes a header sent twice, ``Host`` included, on to the app).
+    Shutdown waits at most one second for requests still running, then cancels them.
     Raises ``RuntimeError`` if the server does not start within ``startup_timeout``
     seconds, or does not stop within 10.
     """
@@ -83,7 +88,7 @@ def serve_in_thread(
         access_log=False,
         lifespan=lifespan,
         ws="none",
-        http="h11",
+        http=http,
         timeout_graceful_shutdown=1,
     )
     server = _Server(config)
@@ -127,21 +132,21 @@ def uvicorn_process(
     ready_path: str = "/refunds/count",
     timeout: float = 30.0,
     cwd: Path | None = None,
+    log_level: str | None = "warning",
 ) -> Iterator[UvicornProcess]:
     """Run ``uvicorn app --fd N *args`` on a socket bound here; yield once it answers.
 
     ``env`` is added to this process's environment; the child's output goes to
-    ``log``; it runs in ``cwd`` (default: this process's working directory). Ready
+    ``log``; it runs in ``cwd`` (default: this process's working directory), with
+    ``--log-level log_level`` (``None``: uvicorn's default, as a user runs it). Ready
     means ``GET ready_path`` answered below 500. The process group is SIGKILLed on
     exit. Raises ``RuntimeError`` (with the log) if uvicorn exits, or has not
     answered within ``timeout`` seconds.
     """
     with loopback_socket() as sock:
         fd = sock.fileno()
-        cmd = [
-            sys.executable, "-m", "uvicorn", app,
-            "--fd", str(fd), "--log-level", "warning", *args,
-        ]  # fmt: skip
+        level = ("--log-level", log_level) if log_level is not None else ()
+        cmd = [sys.executable, "-m", "uvicorn", app, "--fd", str(fd), *level, *args]
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 cmd,

@@ -1,18 +1,18 @@
 """Startup checks against the app the guard wraps: refuse what would guard wrongly.
 
-Run once, at lifespan startup (a problem fails startup with a message naming the
-fix) or, for an app served without lifespan, before its first request (a problem is
-then answered 500 on guarded requests, and logged). What is checked:
+Run at lifespan startup (a problem fails startup with a message naming the fix) or,
+for an app served without lifespan, before its first request (a problem is then
+answered 500 on every guarded request, and logged). What is checked:
 
-- **who the caller is**: with the default principal, per-caller input the guard cannot
-  scope by (FastAPI security dependencies, header or cookie parameters on guarded
-  routes, session middleware anywhere); with a helper, the middleware it reads from
-  placed outside the guard, and with :func:`~.principals.from_dependency` every
-  explicitly guarded route using the dependency (those routes get the claim);
+- **who the caller is**: the middleware a principal helper reads from placed outside
+  the guard; with :func:`~.principals.from_dependency`, every route the guard would
+  guard using the dependency (those routes get the claim), and the dependency's
+  return annotation naming the caller (a ``str``, or a class with ``identity``/``id``);
 - **middleware order**: authentication, session, CORS, GZip and TrustedHost
   middleware inside the guard (their per-request output would be stored and replayed
   to other requests, or they would run after the guard has decided);
-- **the policies map**: every entry names a route and method the app serves.
+- **the policies map**: every entry names a route and method the app serves, and not
+  one a mounted app with its own guard serves (that guard decides there).
 """
 
 from __future__ import annotations
@@ -25,8 +25,16 @@ from typing import Any
 
 from starlette.routing import Host, Mount
 
-from .policy import Policy, ResolvedRoute, expand_routes
-from .principals import AUTO, HELPERS, DependencyPrincipal, _FromSession, _FromUser
+from .errors import GuardMisconfigured, MiddlewareMisplaced, PrincipalMisconfigured
+from .policy import (
+    Policy,
+    ResolvedRoute,
+    carries_guard,
+    expand_routes,
+    mount_level_guard,
+    mounted_app,
+)
+from .principals import DependencyPrincipal, _FromSession, _FromUser
 
 __all__ = ["StartupReport", "inspect_app"]
 
@@ -55,15 +63,26 @@ _MOVE = (
 class StartupReport:
     """What the checks found, and what the guard set up on the way."""
 
-    problems: list[str] = field(default_factory=list)
-    # Policies-map entries naming no route: refused at startup; before the first request
-    # of an app without lifespan only logged, since routes may still be added then.
+    problems: list[str] = field(default_factory=list)  # who the caller is
+    order: list[str] = field(default_factory=list)  # middleware inside the guard
+    # Policies-map entries naming no route or method the app serves.
     unmatched: list[str] = field(default_factory=list)
     claim_endpoints: set[int] = field(default_factory=set)  # ids of endpoints given the claim
 
-    def message(self) -> str:
-        lines = "\n".join(f"- {p}" for p in self.problems)
-        return f"IdempotencyMiddleware cannot guard this app safely as wired:\n{lines}"
+    def refusal(self, others: Iterable[str] = ()) -> GuardMisconfigured | None:
+        """Every problem found (and ``others``), as the error that names their kind."""
+        problems = [*self.problems, *self.order, *self.unmatched, *others]
+        if not problems:
+            return None
+        kind = GuardMisconfigured
+        if problems == self.problems:
+            kind = PrincipalMisconfigured
+        elif problems == self.order:
+            kind = MiddlewareMisplaced
+        if len(problems) == 1:
+            return kind(problems[0])
+        lines = "\n".join(f"- {p}" for p in problems)
+        return kind(f"IdempotencyMiddleware cannot guard this app safely as wired:\n{lines}")
 
 
 def _chain(node: Any, until: Any = None) -> list[Any]:
@@ -83,13 +102,22 @@ def _names(nodes: Iterable[Any]) -> list[str]:
     return [type(n).__name__ for n in nodes]
 
 
-def _templates(app: Any) -> dict[str, set[str]]:
-    """Every route template the app's router serves, with its methods ("*" for any)."""
+def _templates(app: Any, guard: object) -> tuple[dict[str, set[str]], list[str], list[str]]:
+    """Every route template the app's router serves, with its methods ("*" for any); the
+    paths of Mounts whose app has a guard other than ``guard``; and of Mounts with a
+    guard in their own ``middleware=``."""
     served: dict[str, set[str]] = {}
+    guarded: list[str] = []
+    mount_level: list[str] = []
 
     def walk(routes: Iterable[Any], prefix: str) -> None:
         for route in expand_routes(list(routes)):
             original = getattr(route, "original_route", route)
+            if isinstance(original, Mount) and mount_level_guard(original, guard):
+                mount_level.append(prefix + original.path)
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+                guarded.append(prefix + original.path)
+                continue
             if isinstance(original, Mount):
                 walk(original.routes, prefix + original.path)
                 continue
@@ -101,18 +129,26 @@ def _templates(app: Any) -> dict[str, set[str]]:
             served.setdefault(prefix + template, set()).update(methods or {"*"})
 
     walk(getattr(getattr(app, "router", None), "routes", ()), "")
-    return served
+    return served, guarded, mount_level
 
 
-def _check_policies_map(policies: Iterable[str], app: Any) -> Iterator[str]:
-    served = _templates(app)
-    if not served:
+def _check_policies_map(
+    policies: Iterable[str], served: dict[str, set[str]], guarded: list[str]
+) -> Iterator[str]:
+    if not served and not guarded:
         return  # a bare ASGI app has no templates to check against
     for entry in policies:
         method, _, template = entry.rpartition(" ")
         method = method.strip().upper()
         methods = served.get(template)
-        if methods is None:
+        mount = next((m for m in guarded if template.startswith(m + "/")), None)
+        if methods is None and mount is not None:
+            yield (
+                f"policies[{entry!r}]: the app mounted at {mount} serves it and has an "
+                "IdempotencyMiddleware of its own, which decides there: give the policy "
+                "to that guard"
+            )
+        elif methods is None:
             near = difflib.get_close_matches(template, list(served), n=1, cutoff=0.5)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             yield f"policies[{entry!r}] names no route the app serves{hint}"
@@ -152,7 +188,7 @@ def inspect_app(
             principal, DependencyPrincipal
         ):
             continue  # read by the app's dependency, after them: their place does not matter
-        problems.append(f"{name} is inside IdempotencyMiddleware: {why}. {_MOVE}")
+        report.order.append(f"{name} is inside IdempotencyMiddleware: {why}. {_MOVE}")
 
     names = outside | set(inside)
     if isinstance(principal, _FromUser) and "AuthenticationMiddleware" not in names:
@@ -165,14 +201,15 @@ def inspect_app(
             f"principal={principal!r} needs SessionMiddleware outside "
             "IdempotencyMiddleware; none is in the app's middleware."
         )
-    if principal is AUTO and ("SessionMiddleware" in outside or "SessionMiddleware" in inside):
+    served, guarded, mount_level = _templates(app, guard)
+    report.unmatched.extend(_check_policies_map(policies, served, guarded))
+    for path in mount_level:
         problems.append(
-            "SessionMiddleware is in the app's middleware, so callers are told apart by "
-            "their session, which the guard cannot guess at: pass principal=from_session("
-            "'<the field your login stores>') or another helper: " + HELPERS + "."
+            f"Mount({path!r}, middleware=[...]) holds an IdempotencyMiddleware, which cannot "
+            "see the Mount's routes from there and would leave its requests to this guard "
+            "and this principal: put it in the mounted app's own middleware instead "
+            f"(Mount({path!r}, app=Starlette(routes=..., middleware=[...])))."
         )
-
-    report.unmatched.extend(_check_policies_map(policies, app))
 
     fastapi = sys.modules.get("fastapi")
     if fastapi is None or not isinstance(app, fastapi.FastAPI):
@@ -182,46 +219,41 @@ def inspect_app(
                 f"{type(app).__name__}: pass a function of the scope instead."
             )
         return report
+    if not isinstance(principal, DependencyPrincipal):
+        return report
     from . import fastapi_claim
 
-    claim = (
-        fastapi_claim.claim_dependency(principal)
-        if isinstance(principal, DependencyPrincipal)
-        else None
-    )
-    for op in fastapi_claim.operations(app):
+    unnamed = fastapi_claim.unnamed_return(principal)
+    if unnamed is not None:
+        problems.append(unnamed)
+    claim = fastapi_claim.claim_dependency(principal)
+    for op in fastapi_claim.operations(app, guard):
         resolved = ResolvedRoute(op.template, op.endpoint)
         for method in sorted(op.methods):
             policy, explicit = policy_for(method, resolved)
             if policy is None or not policy.enabled or policy.key_from is not None:
                 continue  # a webhook's caller is its sender, whatever the app's auth
             where = f"{method} {op.template}"
-            if isinstance(principal, DependencyPrincipal):
-                assert claim is not None
-                if not fastapi_claim.uses(op.dependant, principal.dependency):
-                    if explicit:
-                        problems.append(
-                            f"{where} is guarded, but does not use {principal.name}, so "
-                            f"{principal!r} cannot name its caller: add "
-                            f"Depends({principal.name}) to it, or exempt it with "
-                            "Policy(enabled=False)."
-                        )
-                    continue  # default policy only: left unguarded (public routes, /token)
-                if policy.transactional:
-                    problems.append(
-                        f"{where}: transactional policies need a principal known from the "
-                        f"request (a function of the scope), not {principal!r}."
-                    )
-                    continue
-                fastapi_claim.instrument(op, claim)
-                report.claim_endpoints.add(id(op.endpoint))
-            elif principal is AUTO:
-                found = fastapi_claim.per_caller_inputs(op.dependant)
-                if found:
-                    problems.append(
-                        f"{where} tells callers apart by {', '.join(found)}, which the "
-                        "guard cannot key on by itself: pass principal=from_dependency("
-                        "<the dependency that returns the caller>) (or another helper: "
-                        f"{HELPERS}); ANONYMOUS if callers truly share keys."
-                    )
+            if not fastapi_claim.uses(op.dependant, principal.dependency):
+                # Even under the default policy only: a keyed request there would run
+                # unguarded, however the route authenticates its callers.
+                how = (
+                    "is guarded"
+                    if explicit
+                    else "is guarded by the default policy when a request carries Idempotency-Key"
+                )
+                problems.append(
+                    f"{where} {how}, but does not use {principal.name}, so {principal!r} "
+                    f"cannot name its caller: add Depends({principal.name}) to it, or "
+                    f"exempt it with policies={{{where!r}: Policy(enabled=False)}}."
+                )
+                continue
+            if policy.transactional:
+                problems.append(
+                    f"{where}: transactional policies need a principal known from the "
+                    f"request (a function of the scope), not {principal!r}."
+                )
+                continue
+            fastapi_claim.instrument(op, claim)
+            report.claim_endpoints.add(id(op.endpoint))
     return report

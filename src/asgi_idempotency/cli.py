@@ -1,10 +1,10 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
-Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``. The database
-(all but ``demo``) comes from ``--database-url`` or ``IDEMPOTENCY_DATABASE_URL``, through
-the URL rule the store and alembic share (:mod:`asgi_idempotency.urls`): ``postgres://``,
-``postgresql://``, ``sqlite://``, ``mariadb://`` and ``mysql://`` URLs get their async
-driver (asyncpg, aiosqlite, asyncmy),
+Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``, ``check URL``.
+The database (all but ``demo`` and ``check``) comes from ``--database-url`` or
+``IDEMPOTENCY_DATABASE_URL``, through the URL rule the store and alembic share
+(:mod:`asgi_idempotency.urls`): ``postgres://``, ``postgresql://``, ``sqlite://``,
+``mariadb://`` and ``mysql://`` URLs get their async driver (asyncpg, aiosqlite, asyncmy),
 other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
 also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
@@ -16,11 +16,13 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 
 ====  =========================================================================
 0     success
-1     inspect: no record for that key (never ran, released, or pruned); demo:
-      the guarded run did not make exactly one refund
+1     inspect: no record for that key in the scope searched (host, principal);
+      demo: the guarded run did not make exactly one refund; check: a check
+      failed (each failing check is named)
 2     usage error: bad arguments, a key digest prefix that matches several
       records, missing or malformed database URL, the demo extra not installed;
-      migrate: the database is at a revision this version does not know
+      migrate: the database is at a revision this version does not know; check:
+      httpx not installed, a URL on another origin than the checked one
 3     database unreachable or failing (refused, timed out, bad credentials, no
       such database or SQLite file)
 4     the records table is missing: run `asgi-idempotency migrate`
@@ -73,13 +75,15 @@ class Exit(enum.IntEnum):
 EXIT_MEANINGS: dict[Exit, str] = {
     Exit.OK: "success",
     Exit.NOT_FOUND: (
-        "inspect: no record for that key (never ran, released, or pruned); "
-        "demo: the guarded run did not make exactly one refund"
+        "inspect: no record for that key in the scope searched (host, principal); "
+        "demo: the guarded run did not make exactly one refund; "
+        "check: a check failed (each failing check is named)"
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
         "records, missing or malformed database URL, the demo extra not installed; "
-        "migrate: the database is at a revision this version does not know"
+        "migrate: the database is at a revision this version does not know; "
+        "check: httpx not installed, a URL on another origin than the checked one"
     ),
     Exit.UNREACHABLE: (
         "database unreachable or failing (refused, timed out, bad credentials, "
@@ -302,10 +306,51 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
 _DIGEST = re.compile(r"[0-9a-fA-F]{16,64}")
 
 
+def _header(value: str | None) -> bytes | None:
+    """A header value given on the command line, as the server would hand it on."""
+    return None if value is None else value.encode("utf-8", "surrogateescape")
+
+
+def _searched(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """The scope ``inspect`` looked in, as shown, and what it may have lacked."""
+    from .request import forwarded_hosts, host_name
+
+    names = None if args.x_forwarded_host is None else args.x_forwarded_host.split(",")
+    forwarded = None if args.forwarded is None else _header(args.forwarded)
+    searched: dict[str, Any] = {
+        "host": host_name(_header(args.host) or b"") or None,
+        "principal": args.principal,
+        "x_forwarded_host": None
+        if names is None
+        else [host_name(_header(n) or b"") for n in names],
+        "forwarded_host": None
+        if forwarded is None
+        else [host_name(h) for h in forwarded_hosts(forwarded)],
+    }
+    hints = []
+    if not args.host:
+        hints.append(
+            "records are scoped by host unless the app sets scope_by_host=False: pass "
+            "--host as the app saw it (the request's Host header; a port is ignored)"
+        )
+    if not args.principal:
+        hints.append(
+            "searched as the anonymous caller: if the app's principal= names callers, "
+            "pass --principal as it returned it"
+        )
+    if args.x_forwarded_host is None and args.forwarded is None:
+        hints.append(
+            "behind a proxy that passes X-Forwarded-Host or Forwarded, those hosts scope "
+            "the record too: pass them with --x-forwarded-host or --forwarded"
+        )
+    return searched, hints
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
-    from .errors import InvalidKey
+    from .errors import InvalidHost, InvalidKey
     from .keys import parse_key, scoped_key
     from .lifecycle import RecordState, state_of
+    from .request import host_scope
     from .stores.base import RecordStatus
 
     url = _require_url(args)
@@ -313,7 +358,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
         key = parse_key(args.key.encode("utf-8", "surrogateescape"))
     except InvalidKey as exc:
         raise CLIError(Exit.USAGE, f"not a valid Idempotency-Key: {exc.detail}") from None
-    digest = scoped_key(args.principal, key, args.host.lower())
+    try:
+        # The scope the middleware builds from the same headers (port dropped alike).
+        where = host_scope(
+            _header(args.host) or b"", _header(args.x_forwarded_host), _header(args.forwarded)
+        )
+    except InvalidHost as exc:
+        raise CLIError(Exit.USAGE, f"not a valid host: {exc.detail}") from None
+    digest = scoped_key(args.principal, key, where)
     # KEY may also be the key digest a log line carries: tried when no record has it as
     # a client key (a 16-hex client key is valid, so the key goes first).
     prefix = args.key.lower() if _DIGEST.fullmatch(args.key) else None
@@ -334,18 +386,46 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
                 digest = record.key
         now = datetime.now(UTC)
         if record is None:
-            also = f" nor with a key digest starting with {prefix}" if prefix is not None else ""
+            # Never a bare "it never ran": a record scoped by a host or principal the
+            # command was not given is there all the same.
+            searched, hints = _searched(args)
             if args.json:
-                payload: dict[str, Any] = {"key_digest": digest, "found": False}
+                payload: dict[str, Any] = {
+                    "key_digest": digest,
+                    "found": False,
+                    "searched": searched,
+                    "hints": hints,
+                }
                 if prefix is not None:
                     payload["digest_prefix"] = prefix
                 print(json.dumps(payload), file=out)
-            else:
-                print(
-                    f"no record for this key (digest {digest}){also}: it never ran here, "
-                    "was released after a failure, or was pruned",
-                    file=out,
+                return Exit.NOT_FOUND
+            forwarded = [
+                f"{name} {', '.join(searched[field]) or '(none)'}"
+                for name, field in (
+                    ("X-Forwarded-Host", "x_forwarded_host"),
+                    ("Forwarded host=", "forwarded_host"),
                 )
+                if searched[field] is not None
+            ]
+            lines = [
+                ("key digest", digest),
+                ("host", searched["host"] or "none (--host not given)"),
+                ("principal", repr(args.principal) if args.principal else "anonymous"),
+                ("forwarded", "; ".join(forwarded) or "none"),
+            ]
+            print("no record for this key in the scope searched:", file=out)
+            for label, value in lines:
+                print(f"  {label:<12} {value}", file=out)
+            if prefix is not None:
+                print(f"nor a record whose key digest starts with {prefix}.", file=out)
+            for hint in hints:
+                print(f"- {hint}", file=out)
+            print(
+                "With the host and principal the app saw, no record means the key never "
+                "ran here, was released after a failure, or was pruned.",
+                file=out,
+            )
             return Exit.NOT_FOUND
         current = state_of(record, now)
         expired = current is RecordState.EXPIRED
@@ -493,6 +573,95 @@ def _kill_demo(url: str, out: TextIO) -> Exit:
     return Exit.OK if (default, transactional) == ((1, 2), (0, 1)) else Exit.NOT_FOUND
 
 
+def _header_arg(text: str) -> tuple[str, str]:
+    """``'Name: value'`` as curl takes it."""
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip() or name != name.strip() or " " in name:
+        raise argparse.ArgumentTypeError(f"must be 'Name: value', got {text!r}")
+    return name, value.strip()
+
+
+def _json_body(text: str) -> bytes:
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"is not JSON ({exc})") from None
+    return text.encode()
+
+
+def _storm(text: str) -> int:
+    value = _count(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be 2 or more, got {text!r}")
+    return value
+
+
+def _status(text: str) -> int:
+    value = _count(text)
+    if not 400 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"must be a 4xx or 5xx status, got {text!r}")
+    return value
+
+
+def cmd_check(args: argparse.Namespace, out: TextIO) -> Exit:
+    try:
+        import httpx
+
+        from .ops.check import CheckOptions, run_checks
+    except ImportError:
+        raise CLIError(
+            Exit.USAGE,
+            "check needs httpx, which is not installed: pip install 'asgi-idempotency[client]'",
+        ) from None
+    headers = tuple(args.header)
+    content_type = next((v for n, v in headers if n.lower() == "content-type"), None)
+    body: bytes = args.json if args.json is not None else (args.data or "").encode()
+    if args.json is not None and content_type is None:
+        content_type = "application/json"
+    other: bytes | None = None
+    if args.other_json is not None:
+        other = args.other_json
+    elif args.other_data is not None:
+        other = args.other_data.encode()
+
+    def resolve(url: str | None) -> str | None:
+        return None if url is None else str(httpx.URL(args.url).join(url))
+
+    try:
+        options = CheckOptions(
+            url=args.url,
+            method=args.method.upper(),
+            body=body,
+            content_type=content_type,
+            headers=headers,
+            other_caller_headers=tuple(args.other_caller_header),
+            other_body=other,
+            storm=args.storm,
+            max_requests=args.max_requests,
+            mismatch_status=args.mismatch_status,
+            key_required=not args.key_optional,
+            count_url=resolve(args.count_url),
+            slow_url=resolve(args.slow_url),
+            hold=args.hold,
+            fail_header=args.fail_header,
+            timeout=args.request_timeout,
+        )
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise CLIError(Exit.USAGE, str(exc)) from None
+
+    async def run() -> Any:
+        # No environment proxies: the requests go to the URL's origin and nowhere else.
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await run_checks(client, options)
+
+    report = asyncio.run(run())
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=2), file=out)
+    else:
+        print(report.table(), file=out)
+    return Exit.OK if report.ok else Exit.NOT_FOUND
+
+
 def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
     """The command's database URL, with its async driver.
 
@@ -612,6 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "KEY is the Idempotency-Key as the client sent it, or the key_digest a log "
             "line carries (16 to 64 hex digits), tried when no record has KEY as its key. "
+            "A key is looked up in one scope: the host (--host, and --x-forwarded-host or "
+            "--forwarded when a proxy passed them on) and the principal (--principal), "
+            "each as the app saw it; a digest needs neither. "
             "Exit code 0 when a record exists (expired or not), 1 when none does, 2 when "
             "a digest prefix matches several records."
         ),
@@ -629,8 +801,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host",
         default="",
-        help="the Host the request was sent to (records are scoped by host unless the "
-        "middleware has scope_by_host=False); a digest needs none",
+        metavar="HOST",
+        help="the Host header the request reached the app with, e.g. shop.example or "
+        "shop.example:8443 (the port is ignored, as the middleware ignores it); records "
+        "are scoped by host unless the app sets scope_by_host=False; a digest needs none",
+    )
+    p.add_argument(
+        "--x-forwarded-host",
+        default=None,
+        metavar="VALUE",
+        help="the X-Forwarded-Host header the request carried, if any (a proxy's; it "
+        "scopes the record beside Host)",
+    )
+    p.add_argument(
+        "--forwarded",
+        default=None,
+        metavar="VALUE",
+        help="the Forwarded header the request carried, if any (its host= parameters "
+        "scope the record beside Host)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_inspect)
@@ -664,6 +852,100 @@ def build_parser() -> argparse.ArgumentParser:
         help="crash a worker between its write and its answer, in both modes (needs Postgres)",
     )
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "check",
+        help="check an HTTP API's Idempotency-Key handling (any API, any host)",
+        description=(
+            "Sends what real clients send to URL and reports each check as pass, fail or "
+            "not run (with why). Every check makes real effects on the API (a sandbox "
+            "refunds for real there). Sends at most --max-requests requests, all to URL's "
+            "origin, following no redirect. Exit code 0 when no check failed, 1 when one "
+            "did (each is named), 2 on a usage error. Needs httpx (the client extra)."
+        ),
+    )
+    p.add_argument("url", metavar="URL", help="the endpoint that takes an Idempotency-Key")
+    p.add_argument("--method", default="POST", help="the request's method (default POST)")
+    body = p.add_mutually_exclusive_group()
+    body.add_argument("--json", type=_json_body, metavar="BODY", help="a JSON body to send")
+    body.add_argument("--data", metavar="BODY", help="a body to send as is")
+    p.add_argument(
+        "--header",
+        type=_header_arg,
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header on every request, e.g. the caller's credentials (repeatable)",
+    )
+    p.add_argument(
+        "--other-caller-header",
+        type=_header_arg,
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a second caller's header, replacing --header of the same name (repeatable)",
+    )
+    other = p.add_mutually_exclusive_group()
+    other.add_argument(
+        "--other-json",
+        type=_json_body,
+        metavar="BODY",
+        help="another valid body for the key-reuse check (default: the first number + 1)",
+    )
+    other.add_argument("--other-data", metavar="BODY", help="the same, sent as is")
+    p.add_argument(
+        "--storm", type=_storm, default=10, help="concurrent duplicates in the storm (default 10)"
+    )
+    p.add_argument(
+        "--max-requests",
+        type=_count,
+        default=50,
+        help="never send more requests than this; checks that would are not run (default 50)",
+    )
+    p.add_argument(
+        "--count-url",
+        metavar="URL",
+        help="a URL (or path) on the same origin whose GET answers the number of effects "
+        '(a JSON integer or {"count": n}): the storm counts effects there',
+    )
+    p.add_argument(
+        "--slow-url",
+        metavar="URL",
+        help="an endpoint (or path) on the same origin that runs longer than --hold, "
+        "for the in-flight check (default: URL)",
+    )
+    p.add_argument(
+        "--hold",
+        type=_pause,
+        default=0.25,
+        help="seconds between the first request and its duplicate in the in-flight check "
+        "(default 0.25; the endpoint must run longer)",
+    )
+    p.add_argument(
+        "--mismatch-status",
+        type=_status,
+        default=422,
+        help="the status the API documents for a key reused with another body (default 422)",
+    )
+    p.add_argument(
+        "--key-optional",
+        action="store_true",
+        help="the route does not require a key: the missing-key check is not run",
+    )
+    p.add_argument(
+        "--fail-header",
+        type=_header_arg,
+        metavar="'NAME: VALUE'",
+        help="a header that makes the endpoint answer 5xx, for the 5xx-releases-key check",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_timeout,
+        default=30.0,
+        help="seconds to wait for each answer (default 30)",
+    )
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.set_defaults(func=cmd_check)
     return parser
 
 

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from .errors import StoreError
 from .middleware import IdempotencyMiddleware
 from .policy import Policy
+from .principals import ANONYMOUS
 from .stores.sql import SQLStore
 from .transactional import get_connection
 
@@ -48,6 +49,7 @@ __all__ = [
 
 class CannotCreateDatabase(StoreError):
     """The demo's user may not create its scratch databases (no ``CREATEDB``)."""
+
 
 demo_metadata = MetaData()
 refunds = Table(
@@ -103,6 +105,7 @@ def create_app(
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /orders/{order_id}/refunds": policy},
             )
         )

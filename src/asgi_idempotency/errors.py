@@ -5,13 +5,17 @@
     IdempotencyError            (abstract; carries status, type, title)
     ├── MissingKey              400  required key absent
     ├── InvalidKey              400  empty, too long, not printable ASCII, sent twice
+    ├── InvalidHost             400  the request names its host twice (two Host headers)
     ├── InvalidSignature        400  a webhook delivery its sender did not sign
     ├── BodyTooLarge            413  request body over the policy's limit
     ├── KeyMismatch             422  same key, different request
     ├── RequestInProgress       409  same key still running elsewhere (Retry-After; no-store)
     ├── ResponseNotKept         410  stored for a streamed response too large to keep
     ├── PrincipalMissing        401  the request names no caller, and keys are per caller
-    ├── PrincipalMisconfigured  500  the guard cannot tell callers apart as wired: names the fix
+    ├── GuardMisconfigured      500  the startup checks refuse the app as wired: names the fix
+    │   ├── PrincipalMisconfigured   the guard cannot tell callers apart as wired
+    │   └── MiddlewareMisplaced      middleware inside the guard that must run before it
+    ├── AppNotStarted           503  the app's startup has not completed, or failed (no-store)
     └── StoreUnavailable        503  the store failed, the handler never ran (Retry-After; no-store)
 
     StoreError                  infrastructure: a store could not answer (unreachable,
@@ -20,29 +24,16 @@
 
     OnceError                   the function guard's answers (asgi_idempotency.Once)
     ├── InProgress              same key still running elsewhere (retry_after, seconds)
-    └── KeyReused               same key, other arguments or another function
+    ├── KeyReused               same key, other arguments or another function
+    ├── MissingMessageId        a broker message with no id to key it by (integrations)
+    └── AttemptsUnknown         a redelivery whose broker does not count deliveries
 
-Three roots, because they reach three different audiences. ``IdempotencyError`` s are
-HTTP answers: the middleware sends them as problems. A :class:`StoreError` is a
-failure of the infrastructure, raised by a store to whoever called it (the middleware,
-the function guard, the pruner, the CLI), each of which decides what it means: the
-responder alone turns it into its 503 answer (:class:`StoreUnavailable`), the
-function guard raises it to its caller, the CLI exits 3 (4 for
-:class:`SchemaMissing`). The function guard's answers are raised to a caller in the
-same process, never rendered as HTTP problems, and an app's handler for
-``IdempotencyError`` must not turn a function call's ``InProgress`` into a 409 of the
-request that made it.
-
-Stores map their driver's exceptions to :class:`StoreError` at one boundary per
-driver (``stores/sqlerrors.py``, the Redis store's ``REDIS_ERRORS``), so nothing above
-``stores/`` ever catches a driver type, and what is not the driver's (a bug of ours)
-stays what it is: a logged 500, never a 503. The client half
-(``asgi_idempotency.client``) has errors of its own and imports nothing from here.
-
-Every error has two texts: ``detail``, the sentence every client may read in the
-problem body, and ``str(exc)``, the message for the server's log. They are the same
-except for store errors, whose message is the driver's reason (it may name the host,
-the database and the user) while their ``detail`` is a fixed sentence that names none.
+Three roots, for three audiences: ``IdempotencyError`` s are HTTP answers, sent as
+problems; a :class:`StoreError` is the infrastructure failing, raised to whoever called
+the store (only the responder turns it into :class:`StoreUnavailable`); an
+:class:`OnceError` is raised to a caller in the same process, never rendered as HTTP.
+``detail`` is what any client may read; ``str(exc)`` is for the server's log (for a
+store error, the driver's reason, which may name the host, database and user).
 """
 
 from __future__ import annotations
@@ -55,14 +46,20 @@ import orjson
 from .asgi import Send, send_response
 
 __all__ = [
+    "AppNotStarted",
+    "AttemptsUnknown",
     "BodyTooLarge",
+    "GuardMisconfigured",
     "IdempotencyError",
     "InProgress",
+    "InvalidHost",
     "InvalidKey",
     "InvalidSignature",
     "KeyMismatch",
     "KeyReused",
+    "MiddlewareMisplaced",
     "MissingKey",
+    "MissingMessageId",
     "OnceError",
     "PrincipalMisconfigured",
     "PrincipalMissing",
@@ -130,6 +127,16 @@ class InvalidKey(IdempotencyError):
     title = "Invalid Idempotency-Key header"
 
 
+class InvalidHost(IdempotencyError):
+    """A request that names its host twice: two ``Host`` headers (RFC 9112 §3.2 makes
+    that a 400), or a host-naming proxy header sent twice. Servers pass both on, the
+    app reads one and the guard cannot know which: never claimed."""
+
+    status = 400
+    slug = "invalid-host"
+    title = "Ambiguous request host"
+
+
 class InvalidSignature(IdempotencyError):
     """A webhook delivery whose sender's signature is missing or wrong: never claimed."""
 
@@ -175,7 +182,21 @@ class PrincipalMissing(IdempotencyError):
     title = "Caller not identified"
 
 
-class PrincipalMisconfigured(IdempotencyError):
+class GuardMisconfigured(IdempotencyError):
+    """The startup checks refuse the app as wired; the detail names each problem and its fix.
+
+    Raised (as ``ValueError``, failing lifespan startup) where the guard can see it,
+    else answered 500 on every guarded request of an app served without lifespan:
+    guarding by a guess could run an effect twice or replay one caller's response to
+    another. Its subclasses name the kind when every problem is of one kind.
+    """
+
+    status = 500
+    slug = "guard-misconfigured"
+    title = "The idempotency guard cannot run safely as the app is wired"
+
+
+class PrincipalMisconfigured(GuardMisconfigured):
     """The guard cannot tell callers apart as the app is wired; the detail names the fix.
 
     A configuration error, raised at startup where the guard can see it, else answered
@@ -183,9 +204,27 @@ class PrincipalMisconfigured(IdempotencyError):
     could hand one caller another's stored response.
     """
 
-    status = 500
     slug = "principal-unknown"
     title = "The idempotency guard cannot identify the caller"
+
+
+class MiddlewareMisplaced(GuardMisconfigured):
+    """Middleware that must run before the guard (authentication, session, CORS, GZip,
+    TrustedHost) is inside it; the detail names it and where to add it."""
+
+    slug = "middleware-order"
+    title = "Middleware is in the wrong order around the idempotency guard"
+
+
+class AppNotStarted(IdempotencyError):
+    """A guarded request reached an app whose lifespan startup began but did not complete
+    (still running, or failed): the handler never runs before the guard's checks and the
+    store's have passed. The reason is in the server's log, never in the detail."""
+
+    status = 503
+    slug = "not-started"
+    title = "The app has not finished starting"
+    no_store = True
 
 
 class StoreUnavailable(IdempotencyError):
@@ -272,3 +311,16 @@ class InProgress(OnceError):
 class KeyReused(OnceError):
     """The key was used with other arguments, or by another function: a new call
     needs a new key. The stored result is never returned for a different call."""
+
+
+class MissingMessageId(OnceError):
+    """A broker message carries no id to key it by (its publisher set none).
+
+    Keying it by what the broker assigns per delivery (a delivery tag) would run it
+    again on every redelivery, so the broker presets refuse it rather than guess.
+    """
+
+
+class AttemptsUnknown(OnceError):
+    """A redelivered message whose broker does not count deliveries (a classic RabbitMQ
+    queue): handed off rather than retried without a bound."""

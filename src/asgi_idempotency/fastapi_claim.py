@@ -19,7 +19,10 @@ Only imported when the app is a FastAPI app: FastAPI is not a dependency.
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
+import types
+import typing
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +36,11 @@ from fastapi.security.base import SecurityBase
 from starlette.routing import Host, Mount
 
 from .errors import IdempotencyError, PrincipalMisconfigured
-from .keys import HEADER
+from .policy import carries_guard, mounted_app
 from .principals import DependencyPrincipal
 from .responder import GUARD_SCOPE_KEY, GuardAnswered, Responder
 
-__all__ = ["GuardedOperation", "claim_dependency", "instrument", "operations", "per_caller_inputs"]
-
-_IDEMPOTENCY_HEADER = HEADER.decode()
+__all__ = ["GuardedOperation", "claim_dependency", "instrument", "operations", "unnamed_return"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +54,15 @@ class GuardedOperation:
     route: APIRoute  # the original route (its ``dependencies`` feed rebuilt contexts)
 
 
-def operations(app: Any) -> Iterator[GuardedOperation]:
-    """Every FastAPI route the app can reach, included routers and Mounts walked."""
+def operations(app: Any, guard: object = None) -> Iterator[GuardedOperation]:
+    """Every FastAPI route the app can reach, included routers and Mounts walked, except
+    Mounts whose app has a guard other than ``guard``."""
 
     def walk(routes: list[Any], prefix: str) -> Iterator[GuardedOperation]:
         for context in iter_route_contexts(routes):
             original = context.original_route
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+                continue  # its own guard decides there, with its own principal
             if isinstance(original, Mount):
                 yield from walk(list(original.routes), prefix + original.path)
                 continue
@@ -107,28 +111,77 @@ def uses(dependant: Dependant, dependency: Callable[..., Any]) -> bool:
     return any(node.call is dependency for node, _ in _walk(dependant))
 
 
-def per_caller_inputs(dependant: Dependant) -> list[str]:
-    """What in a route's dependencies tells callers apart and that the guard cannot key on:
-    security schemes (named by the dependency the route uses them through), header and
-    cookie parameters. Empty when nothing does."""
-    found: list[str] = []
-    for node, top in _walk(dependant):
-        if isinstance(node.call, SecurityBase):
-            via = top.call if top is not None else node.call
-            label = (
-                f"the security scheme {_name(node.call)}"
-                if via is node.call
-                else f"{_name(via)} (through {_name(node.call)})"
-            )
-            found.append(label)
-    for node in [dependant, *(n for n, _ in _walk(dependant))]:
-        for param in node.header_params:
-            alias = str(param.alias or param.name).lower().replace("_", "-")
-            if alias != _IDEMPOTENCY_HEADER and alias not in ("content-type", "content-length"):
-                found.append(f"the header parameter {param.alias or param.name!r}")
-        for param in node.cookie_params:
-            found.append(f"the cookie parameter {param.alias or param.name!r}")
-    return list(dict.fromkeys(found))
+def unnamed_return(principal: DependencyPrincipal) -> str | None:
+    """Why the dependency's return annotation cannot name a caller, or ``None``.
+
+    Read where the annotation names one class (``User``, ``User | None``,
+    ``Annotated[User, ...]``, a generator dependency's yield type): a ``str``, or a class
+    with an ``identity`` or ``id`` attribute or field, names one. Anything looser (no
+    annotation, ``Any``, a union of classes) is left to the request's own check.
+    """
+    if principal.identity is not None:
+        return None
+    call = principal.dependency
+    target = call if inspect.isroutine(call) else getattr(call, "__call__", call)  # noqa: B004
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # an annotation that does not resolve: nothing to read
+        return None
+    returned = _one_class(hints.get("return"))
+    if returned is None or returned is str or issubclass(returned, str):
+        return None
+    if any(_has_attribute(returned, name) for name in ("identity", "id")):
+        return None
+    return (
+        f"principal={principal!r}: {principal.name} returns {returned.__qualname__}, which "
+        "has neither an 'identity' nor an 'id' to name the caller, so every guarded request "
+        "would fail. Pass identity= the attribute that names the caller (e.g. "
+        f'from_dependency({principal.name}, identity="username")) or a function of the '
+        f"{returned.__qualname__} returning a str; never a display name, which two callers "
+        "can share."
+    )
+
+
+def _one_class(annotation: Any) -> type | None:
+    """The one class ``annotation`` promises, unwrapping Annotated, Optional and the
+    iterators a generator dependency is annotated with; ``None`` if not one class."""
+    for _ in range(10):
+        origin = typing.get_origin(annotation)
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        union = origin in (typing.Union, types.UnionType)
+        if not args or not (origin is typing.Annotated or origin in _ITERATORS or union):
+            break
+        if union and len(args) != 1:
+            return None  # several classes: which one comes is the request's to say
+        annotation = args[0]
+    generic = typing.get_origin(annotation)
+    if isinstance(generic, type):
+        annotation = generic  # dict[str, str]: a dict
+    if not isinstance(annotation, type) or annotation in (object, typing.Any):
+        return None
+    if getattr(annotation, "_is_protocol", False):
+        return None
+    return annotation
+
+
+_ITERATORS = (
+    collections.abc.Iterator,
+    collections.abc.Generator,
+    collections.abc.AsyncIterator,
+    collections.abc.AsyncGenerator,
+    collections.abc.Iterable,
+    collections.abc.AsyncIterable,
+)
+
+
+def _has_attribute(cls: type, name: str) -> bool:
+    """Whether instances of ``cls`` have ``name``: a class attribute or property, a
+    dataclass or pydantic field, or an annotation anywhere in its MRO."""
+    if hasattr(cls, name):
+        return True
+    if name in getattr(cls, "model_fields", {}):  # pydantic v2 fields are not class attributes
+        return True
+    return any(name in getattr(base, "__annotations__", {}) for base in cls.__mro__)
 
 
 def claim_dependency(principal: DependencyPrincipal) -> Callable[..., AsyncIterator[None]]:
@@ -141,14 +194,19 @@ def claim_dependency(principal: DependencyPrincipal) -> Callable[..., AsyncItera
         if not isinstance(responder, Responder) or not responder.waiting:
             yield  # not guarded (no key on an optional route), or claimed already
             return
+        refusal: IdempotencyError | None = None
         try:
             who = principal.principal_of(caller)
         except IdempotencyError as exc:
-            await responder.refuse(exc)
-            raise GuardAnswered() from None
-        if not who:
-            await responder.refuse(PrincipalMisconfigured(f"{principal!r} named an empty caller"))
-            raise GuardAnswered()
+            refusal = exc
+        else:
+            if not who:
+                refusal = PrincipalMisconfigured(f"{principal!r} named an empty caller")
+        if refusal is not None:
+            if not await responder.refuse(refusal):
+                raise GuardAnswered()
+            yield  # report-only mode: the endpoint runs, and its answer goes out
+            return
         if not await responder.claim_deferred(who):
             raise GuardAnswered()
         try:

@@ -31,6 +31,7 @@ _LIST_DETAIL = (
     'comma must be sent as a quoted string, e.g. "a,b".'
 )
 
+
 def parse_key(raw: bytes) -> str:
     """Validate one header value and return the key it carries.
 

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Protocol
 
+from . import lifecycle
 from .errors import StoreError
 from .observer import Observer
-from .stores.base import Store
+from .stores.base import RecordStatus, Store, StoredResponse
 
-__all__ = ["LeaseRenewal", "LeaseRenewals", "Renewal"]
+__all__ = ["LeaseRenewal", "LeaseRenewals", "Renewal", "complete_later"]
 
 
 class Renewal(Protocol):
@@ -196,3 +197,60 @@ class LeaseRenewals:
         finally:
             if self.running.get(token) is asyncio.current_task():
                 del self.running[token]
+
+
+async def complete_later(
+    store: Store, renewals: LeaseRenewals, observer: Observer, key: str, token: str,
+    stored: StoredResponse, now: datetime, *, ttl: timedelta, lease: timedelta, every: float,
+    route: str,
+) -> None:  # fmt: skip
+    """Try again, for the lease's life, a completion that the store failed.
+
+    The one retry of a failed completion, for HTTP requests and ``Once`` calls alike.
+    The attempts follow :func:`.lifecycle.completion_backoff` (backoff from 0.1 s to
+    2 s apart, within one ``lease`` of the failure); meanwhile the claim's lease is
+    renewed every ``every`` seconds, so that while the store answers nobody takes the
+    claim over. A store that is down takes the renewals too: the lease then ends one
+    ``lease`` after its last renewal, so no attempt starts past one ``lease`` from now.
+    Each failure is logged (WARNING), and giving up (ERROR); the claim then stays in
+    progress until its lease ends, as after a crash. Store errors never escape.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + lease.total_seconds()
+    renewal = renewals.start(key, token, lease, every, route)
+    attempts = 1  # the one that failed
+    try:
+        for delay in lifecycle.completion_backoff(lease):
+            if loop.time() + delay >= deadline:
+                break  # the claim may be taken over by then
+            await asyncio.sleep(delay)
+            attempts += 1
+            try:
+                owned = await store.complete(key, token, stored, now=now, ttl=ttl)
+            except StoreError as exc:
+                observer.log(
+                    logging.WARNING, "idempotency.complete_retry_failed", route, key,
+                    attempt=attempts, error=type(exc).__name__,
+                )  # fmt: skip
+                continue
+            if owned or await _landed(store, key, token):
+                observer.log(
+                    logging.WARNING, "idempotency.complete_recovered", route, key,
+                    attempt=attempts,
+                )  # fmt: skip
+            else:
+                observer.log(logging.ERROR, "idempotency.claim_lost", route, key, phase="complete")
+            return
+        observer.log(logging.ERROR, "idempotency.complete_gave_up", route, key, attempts=attempts)
+    finally:
+        renewal.stop(token)
+
+
+async def _landed(store: Store, key: str, token: str) -> bool:
+    """Whether our claim is completed already: a failure whose write had landed (the
+    answer was lost) leaves nothing for a retry to complete, and is no lost claim."""
+    try:
+        record = await store.get(key)
+    except StoreError:
+        return False
+    return record is not None and record.token == token and record.status is RecordStatus.COMPLETED

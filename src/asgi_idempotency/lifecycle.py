@@ -1,37 +1,12 @@
 """The record lifecycle: every rule about what a stored record means, in one place.
 
-Stores only insert, compare-and-swap, update and delete (:mod:`.stores.base`). This
-module says what their answers mean:
-
-- :func:`state_of` — a row at ``now`` is expired, abandoned, running or completed;
-- :func:`judge` — what an existing row means for a new request (the table below);
-- :func:`claim` — the claim itself, as store primitives: insert, else judge the row
-  in the way and, where the request may have it, take it over by compare-and-swap;
-- :func:`completes` — whether a handler's response completes the key or releases it;
-- :func:`completion_retries` — when to try again a completion that the store failed;
-- :func:`release_orphan` — what becomes of a claim whose requester went away while
-  it was in flight (the orphaned claim);
-- :func:`in_progress_wait` — the ``Retry-After`` of a 409.
-
-============================  ===========  =====  ==========================
-row before                    fingerprint  lease  outcome
-============================  ===========  =====  ==========================
-none, or expired (see below)  —            —      CLAIMED: run the handler
-in progress                   same         live   IN_PROGRESS (409)
-in progress                   same         over   TAKEN_OVER: run the handler
-in progress or completed      different    —      MISMATCH (422)
-completed                     same         —      COMPLETED: replay
-============================  ===========  =====  ==========================
-
-A claim that is still owned and renewed (in progress, lease live) is never expired,
-whatever its ``expires_at`` says: a handler may outlive its ``ttl``, and a duplicate
-must then get 409, not a second run. Stores keep their own expiry (prune's ``WHERE``,
-Redis's key TTL) in agreement with this rule without knowing it: a renewal moves the
-row's ``expires_at`` to at least its new ``locked_until`` (``Store.renew``), and
-:func:`claim` writes ``expires_at`` no earlier than ``locked_until``, so an in-progress
-row whose lease is live is never past its ``expires_at``. The rule is stated here
-too, so that a row written otherwise (renewed by an older version) is still judged
-by it.
+Stores only insert, compare-and-swap, update and delete (:mod:`.stores.base`); this
+module says what their answers mean: the state of a row (:func:`state_of`), what an
+existing row means for a new request (:func:`judge`: claim, 409, take-over, 422 or
+replay), the claim as store primitives (:func:`claim`), complete or release
+(:func:`completes`), a failed completion's retry schedule, the orphaned claim
+(:func:`release_orphan`) and the 409's ``Retry-After``. The record's life and why an
+owned, renewed claim is never expired: docs/design.md.
 """
 
 from __future__ import annotations
@@ -51,6 +26,7 @@ __all__ = [
     "RecordState",
     "claim",
     "completes",
+    "completion_backoff",
     "completion_retries",
     "in_progress_wait",
     "judge",
@@ -276,19 +252,21 @@ def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -
 # effect happened: retries get 409 until the lease ends, and then one takes the claim
 # over and runs the handler again. So the owner tries again, in the background (the
 # client already has its answer), keeping its lease renewed meanwhile so that nobody
-# takes the claim over. A few attempts, doubling from this many seconds, all within
-# one lease of the failure: a store that stays down leaves the key as a crash would.
+# takes the claim over (lease.complete_later). A release of an orphaned claim that may
+# never have landed tries a few times only (completion_retries); a completion tries for
+# the lease's life (completion_backoff): a store away for longer than that leaves the
+# key as a crash would.
 COMPLETION_RETRY_FIRST = 0.1
 COMPLETION_RETRIES = 5
+COMPLETION_RETRY_CEILING = 2.0
 
 
 def completion_retries(lease: timedelta) -> list[float]:
-    """Seconds to wait before each further attempt at a completion the store failed.
+    """Seconds to wait before each further attempt at a release of an orphaned claim.
 
     Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s), at most
     :data:`COMPLETION_RETRIES` (5) of them, their sum less than ``lease``; empty when
-    even the first would not fit. Past the last, the owner gives up: the claim stays
-    in progress until its lease ends, as after a crash.
+    even the first would not fit.
     """
     budget = lease.total_seconds()
     delays: list[float] = []
@@ -297,4 +275,24 @@ def completion_retries(lease: timedelta) -> list[float]:
         delays.append(delay)
         total += delay
         delay *= 2
+    return delays
+
+
+def completion_backoff(lease: timedelta) -> list[float]:
+    """Seconds to wait before each further attempt at a completion the store failed.
+
+    Doubling from :data:`COMPLETION_RETRY_FIRST` (0.1 s) up to
+    :data:`COMPLETION_RETRY_CEILING` (2 s) apart, as many as fit within ``lease`` (their
+    sum less than it): a store that comes back while the claim's lease still holds gets
+    the completion within two seconds. Past the last, the owner gives up: the claim
+    stays in progress until its lease ends, as after a crash. Empty when even the first
+    would not fit.
+    """
+    budget = lease.total_seconds()
+    delays: list[float] = []
+    delay, total = COMPLETION_RETRY_FIRST, 0.0
+    while total + delay < budget:
+        delays.append(delay)
+        total += delay
+        delay = min(delay * 2, COMPLETION_RETRY_CEILING)
     return delays

@@ -38,6 +38,7 @@ class Outcome(enum.StrEnum):
     MISMATCH = "mismatch"  # 422: the key belongs to a different request
     MISSING_KEY = "missing_key"  # 400
     INVALID_KEY = "invalid_key"  # 400
+    INVALID_HOST = "invalid_host"  # 400: Host (or X-Forwarded-Host) sent twice
     INVALID_SIGNATURE = "invalid_signature"  # 400: a webhook delivery its sender did not sign
     TOO_LARGE = "too_large"  # 413
     STORE_UNAVAILABLE = "store_unavailable"  # 503, or run unguarded with fail_open

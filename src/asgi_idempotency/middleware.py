@@ -20,8 +20,10 @@ from typing import Any, Literal, NamedTuple
 from .appcheck import StartupReport, inspect_app
 from .asgi import ASGIApp, Message, Receive, Scope, Send
 from .errors import (
+    AppNotStarted,
     BodyTooLarge,
     IdempotencyError,
+    InvalidHost,
     InvalidSignature,
     MissingKey,
     PrincipalMisconfigured,
@@ -30,13 +32,20 @@ from .errors import (
 from .fingerprint import fingerprint_after, request_prefix
 from .keys import parse_key, scoped_key
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
-from .observer import Observer
+from .observer import Observer, route_to_server_log
 from .openapi import guard_of_for, install_openapi
-from .policy import Policy, ResolvedRoute, RouteResolver, iter_endpoint_policies, lookup
-from .principals import AUTO, DependencyPrincipal, PrincipalFunc
+from .policy import (
+    Policy,
+    ResolvedRoute,
+    RouteResolver,
+    iter_endpoint_policies,
+    lookup,
+    normalise_policies,
+)
+from .principals import DependencyPrincipal, PrincipalFunc
 from .readiness import Readiness
 from .regenerated import RegeneratedKeys
-from .request import guard_headers, host_name, read_body, replay_body
+from .request import guard_headers, host_scope, read_body, replay_body
 from .responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
 from .stores.base import Store, capabilities, utcnow
 
@@ -48,9 +57,25 @@ _MISSING_KEY_DETAIL = (
     "per logical operation and send the same key on every retry."
 )
 _UNLIMITED = 1 << 62  # report mode reads any body: the app, not the guard, decides its size
+_PRINCIPAL_REQUIRED = (
+    "IdempotencyMiddleware needs principal=, who the caller is (records are kept per "
+    "caller, so one caller never receives another's stored response): "
+    "from_dependency(get_current_user) for a FastAPI auth dependency, from_user() for "
+    "Starlette's AuthenticationMiddleware, from_session('<field>') for SessionMiddleware, "
+    "from_headers('<header>', ...) for headers a gateway has verified, or ANONYMOUS for "
+    "a public or single-caller service (all from asgi_idempotency.principals)."
+)
 _NO_CALLER_DETAIL = (
     "This endpoint keeps each Idempotency-Key per caller, and this request names no "
     "caller: authenticate and retry with the same key."
+)
+_NOT_STARTED_DETAIL = (
+    "The app's startup has not completed, so this request was not processed; retry "
+    "with the same Idempotency-Key once the app is up."
+)
+_STARTUP_FAILED_DETAIL = (
+    "The app's startup failed, so this request was not processed; the reason is in the "
+    "server's log."
 )
 
 
@@ -61,6 +86,7 @@ class _Guard(NamedTuple):
     route: str  # the route template, the label of logs and metrics
     prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
     header_names: frozenset[bytes]  # the policy's, read here without a property call
+    unnamed: bool = False  # from_dependency, on a route that does not use the dependency
 
 
 class IdempotencyMiddleware:
@@ -70,22 +96,26 @@ class IdempotencyMiddleware:
         app: the ASGI app to guard.
         store: a :class:`~asgi_idempotency.SQLStore` or :class:`~asgi_idempotency.MemoryStore`.
         policies: explicit policies by ``"METHOD /route/{template}"`` (or a bare template
-            for every method); they win over ``@idempotent`` on the endpoint.
+            for every method); they win over ``@idempotent`` on the endpoint. The method
+            is case-insensitive (``"post /refunds"`` is ``"POST /refunds"``); two entries
+            naming the same route and method raise ``ValueError``. An entry naming no
+            route or method the app serves is refused by the startup checks.
         default_policy: applied to requests in ``methods`` on routes with no policy,
             when they carry the header (default: key optional, 24 h ttl, 30 s lease).
         methods: methods guarded by default (default POST and PATCH). Safe methods
             (GET, HEAD, OPTIONS, TRACE) are never guarded.
-        principal: who owns a key (:mod:`asgi_idempotency.principals`):
+        principal: who owns a key (:mod:`asgi_idempotency.principals`), required:
             ``from_dependency(dep)`` (FastAPI), ``from_user()``, ``from_session(field)``,
-            ``from_headers(*names)``, ``ANONYMOUS``, or any ``scope -> str | None``
-            (sync or async; ``None`` answers 401). Default: an authenticated
-            ``scope["user"]``'s identity; anonymous only for requests that carry no
-            credentials; where the app tells callers apart in a way the guard cannot
-            see, it refuses (at startup, else 500 on the request) naming the helper.
-        scope_by_host: the request's ``Host`` is part of every record's scope (default),
-            so tenant-per-subdomain apps whose user ids are tenant-local stay apart.
-            Turn it off for a service reached under several names whose clients may
-            retry through another one.
+            ``from_headers(*names)``, ``ANONYMOUS`` (a public or single-caller
+            service), or any ``scope -> str | None`` (sync or async; ``None`` answers
+            401). There is no default: one would have to guess who the caller is.
+        scope_by_host: the request's host is part of every record's scope (default),
+            so tenant-per-subdomain apps whose user ids are tenant-local stay apart:
+            the ``Host`` name without its port, and the names a proxy passes on in
+            ``X-Forwarded-Host`` and ``Forwarded: host=`` (:func:`.request.host_scope`).
+            ``Host`` or ``X-Forwarded-Host`` sent twice is a 400 either way. Turn it
+            off (no host in the scope) for a service reached under several names whose
+            clients may retry through another one.
         fail_open: when the store fails, run the handler unguarded instead of 503.
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
@@ -111,15 +141,28 @@ class IdempotencyMiddleware:
             is counted and logged. Default ``"enforce"``.
     """
 
+    # A guard marks itself so that the route walk can tell a mounted app with a guard of
+    # its own (policy.carries_guard) without importing this module.
+    asgi_idempotency_guard = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> IdempotencyMiddleware:
+        # Before __init__ binds its arguments: Python's own "missing 1 required
+        # keyword-only argument" would not say what to pass. (No arguments at all is
+        # copy or pickle recreating an instance; a subclass may supply its own.)
+        constructing = bool(args or kwargs) and cls.__init__ is IdempotencyMiddleware.__init__
+        if constructing and kwargs.get("principal") is None:
+            raise TypeError(_PRINCIPAL_REQUIRED)
+        return super().__new__(cls)
+
     def __init__(
         self,
         app: ASGIApp,
         *,
         store: Store,
+        principal: PrincipalFunc | DependencyPrincipal,
         policies: Mapping[str, Policy] | None = None,
         default_policy: Policy | None = None,
         methods: Iterable[str] = ("POST", "PATCH"),
-        principal: PrincipalFunc | DependencyPrincipal | None = None,
         scope_by_host: bool = True,
         fail_open: bool = False,
         metrics: MetricsSink | None = None,
@@ -134,7 +177,9 @@ class IdempotencyMiddleware:
         self.policies = dict(policies or {})
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in methods)
-        self.principal = AUTO if principal is None else principal
+        if not (callable(principal) or isinstance(principal, DependencyPrincipal)):
+            raise TypeError(f"principal= {principal!r} is not a principal: " + _PRINCIPAL_REQUIRED)
+        self.principal = principal
         self.scope_by_host = scope_by_host
         self.fail_open = fail_open
         self.metrics = metrics
@@ -148,7 +193,7 @@ class IdempotencyMiddleware:
         if mode not in ("enforce", "report"):
             raise ValueError(f"mode must be 'enforce' or 'report', not {mode!r}")
         self.mode = mode
-        self._resolve = RouteResolver(self._decide)
+        self._resolve = RouteResolver(self._decide, guard=self)
         label = type(store).__name__
         dialect = getattr(store, "dialect", None)
         self._observer = Observer(metrics, f"{label}/{dialect}" if dialect else label)
@@ -163,7 +208,9 @@ class IdempotencyMiddleware:
         # The checks against the app (appcheck.py) and, for from_dependency, the claim
         # added to FastAPI routes: at lifespan startup, else before the first request.
         self._started = False
-        self._refusal: PrincipalMisconfigured | None = None
+        # What every guarded request is answered while set, the handler never run: the
+        # checks' refusal, or a lifespan startup that has not completed (or failed).
+        self._refusal: IdempotencyError | None = None
         self._claim_endpoints: set[int] | None = None  # from_dependency: endpoints that claim
 
     @classmethod
@@ -204,7 +251,7 @@ class IdempotencyMiddleware:
 
     @policies.setter
     def policies(self, value: Mapping[str, Policy]) -> None:
-        self._policies = MappingProxyType(dict(value))
+        self._policies = MappingProxyType(normalise_policies(value))
         self._forget_decisions()
 
     @property
@@ -251,45 +298,47 @@ class IdempotencyMiddleware:
         if request is None:
             return
         readiness = self._readiness
-        if not readiness.ready and not await readiness.ensure(guard.route, send):
-            return
+        if not readiness.ready:
+            report = request.policy.mode == "report"
+            if not await readiness.ensure(guard.route, send, report=report):
+                if report:  # the store cannot claim: the app answers, unguarded
+                    await self._unguarded(guard, scope, replay_body(request.body, receive), send)
+                return
         await Responder(self._runtime, request, scope, receive, send).run()
 
     def _start(self, app: Any, *, on_request: bool) -> None:
-        """The checks against ``app``, once. At startup a problem raises; before the first
-        request of an app served without lifespan, guarded requests are answered 500.
+        """The checks against ``app``. A problem found at lifespan startup raises; before
+        the first request of an app served without lifespan, the same checks run and a
+        problem is logged and answered 500, naming it, on every guarded request.
 
         Raises:
             ValueError: the app cannot be guarded safely as wired (startup only).
         """
         self._started = True
-        problems: list[str] = []
+        route_to_server_log()
+        others: list[str] = []
         try:
             self.check_policies(app)
         except ValueError as exc:
-            problems.append(str(exc))
+            others.append(str(exc))
+        report = StartupReport()
         if app is not None:
             report = inspect_app(app, self, self.principal, self._policies, self._policy_for)
-            problems += report.problems
-            claims = report.claim_endpoints
-            if not on_request:
-                problems += report.unmatched
-            elif report.unmatched:
-                self._observer.refused("<startup>", ValueError("; ".join(report.unmatched)))
-        else:
-            claims = set()
+        refusal = report.refusal(others)
+        # Kept at startup too: a server that serves on after a failed startup (or a test
+        # client used without its ``with`` afterwards) must not run a handler unguarded.
+        self._refusal = refusal
         if isinstance(self.principal, DependencyPrincipal):
-            self._claim_endpoints = claims
+            # Refused: every route its policy guards is answered the refusal, including
+            # those that do not use the dependency (left open only once the checks pass).
+            self._claim_endpoints = report.claim_endpoints if refusal is None else None
         self._forget_decisions()
         install_openapi(app, guard_of_for(self, app))
-        if problems:
-            message = (
-                "\n".join(problems) if len(problems) == 1 else StartupReport(problems).message()
-            )
-            if not on_request:
-                raise ValueError(message)
-            self._refusal = PrincipalMisconfigured(message)
-            self._observer.refused("<startup>", self._refusal)
+        if refusal is None:
+            return
+        if not on_request:
+            raise ValueError(str(refusal))  # the server prints lifespan.startup.failed's message
+        self._observer.refused("<startup>", refusal)
 
     def guard_for(self, method: str, resolved: ResolvedRoute | None, path: str) -> Policy | None:
         """How a request of ``method`` to ``resolved`` (at ``path``) is guarded, or ``None``.
@@ -298,19 +347,14 @@ class IdempotencyMiddleware:
         """
         if method in SAFE_METHODS:
             return None
+        if resolved is not None and resolved.delegated:
+            # A mounted app with its own guard serves the route: that guard decides, by
+            # the principal its app's auth yields, and claims exactly once.
+            return None
         policy = lookup(self._policies, method, resolved, path)
         if policy is None and method in self._methods:
             policy = self._default_policy
         if policy is None or not policy.enabled:
-            return None
-        claims = self._claim_endpoints
-        if (
-            claims is not None
-            and policy.key_from is None
-            and (resolved is None or id(resolved.endpoint) not in claims)
-        ):
-            # from_dependency: a route that does not use the dependency cannot name its
-            # caller (an explicit policy there was refused at startup).
             return None
         return policy
 
@@ -338,7 +382,16 @@ class IdempotencyMiddleware:
             policy = dataclasses.replace(policy, mode="report")  # once per path: cached
         # A bare ASGI app has no templates; one label keeps metrics' cardinality bounded.
         route = resolved.template if resolved is not None else "<unrouted>"
-        return _Guard(policy, route, request_prefix(method, path), policy.header_names)
+        claims = self._claim_endpoints
+        # from_dependency: a route that does not use the dependency cannot name its
+        # caller. Startup refuses those it sees; one it could not (added since, or not a
+        # FastAPI route) refuses keyed requests rather than run them unguarded.
+        unnamed = (
+            claims is not None
+            and policy.key_from is None
+            and (resolved is None or id(resolved.endpoint) not in claims)
+        )
+        return _Guard(policy, route, request_prefix(method, path), policy.header_names, unnamed)
 
     async def _read(
         self, guard: _Guard, scope: Scope, receive: Receive, send: Send
@@ -346,34 +399,40 @@ class IdempotencyMiddleware:
         """The guarded request, or ``None`` once the request has been answered or let through."""
         policy, route = guard.policy, guard.route
         observe = self._observer.outcome
-        if self._refusal is not None:
-            observe(route, Outcome.UNIDENTIFIED)
-            await self._refusal.send(send)
+        refusal = self._refusal
+        if refusal is not None:
+            not_started = isinstance(refusal, AppNotStarted)
+            observe(route, Outcome.STORE_UNAVAILABLE if not_started else Outcome.UNIDENTIFIED)
+            await self._answer(refusal, guard, scope, receive, send)
             return None
         try:
-            raw_key, content_type, declared_length, host, credential = guard_headers(
-                scope["headers"]
-            )
+            raw_key, content_type, declared_length, hosts = guard_headers(scope["headers"])
             if raw_key is None and policy.key_from is None:
                 if policy.required:
                     raise MissingKey(_MISSING_KEY_DETAIL)
                 observe(route, Outcome.UNGUARDED)
                 await self.app(scope, receive, send)
                 return None
+            where = host_scope(*hosts) if self.scope_by_host else ""
             delivery = policy.key_from
             principal: Any
             if delivery is not None:
-                # A webhook: the sender is the caller, its delivery id (read with the
-                # body, once the signature holds) the key.
-                client_key, principal = "", "webhook:" + delivery.sender
+                # A webhook: the sender, at this endpoint, is the caller; its delivery
+                # id (read with the body, once the signature holds) the key.
+                client_key, principal = "", delivery.principal(scope)
             else:
                 assert raw_key is not None
                 client_key = parse_key(raw_key)
                 who = self.principal
-                if who is AUTO:
-                    principal = AUTO.of(scope, credential)
-                else:
-                    principal = None if isinstance(who, DependencyPrincipal) else who(scope)
+                if guard.unnamed:
+                    name = getattr(who, "name", repr(who))
+                    raise PrincipalMisconfigured(
+                        f"{scope['method']} {route} does not use {name}, the dependency "
+                        f"principal={who!r} names callers by, so a keyed request there "
+                        f"cannot be scoped to its caller: add Depends({name}) to the "
+                        "route, or exempt it with Policy(enabled=False)."
+                    )
+                principal = None if isinstance(who, DependencyPrincipal) else who(scope)
                 if type(principal) is not str and inspect.isawaitable(principal):
                     principal = await principal
                 if principal is None and self._claim_endpoints is None:
@@ -385,6 +444,10 @@ class IdempotencyMiddleware:
             return None
         except MissingKey as exc:
             observe(route, Outcome.MISSING_KEY)
+            await self._answer(exc, guard, scope, receive, send)
+            return None
+        except InvalidHost as exc:
+            observe(route, Outcome.INVALID_HOST)
             await self._answer(exc, guard, scope, receive, send)
             return None
         except IdempotencyError as exc:
@@ -404,9 +467,14 @@ class IdempotencyMiddleware:
         if delivery is not None:
             try:
                 client_key = delivery(scope["headers"], body)
+            except InvalidSignature as exc:
+                # Refused in every mode: a forged delivery is no rollout choice, and its
+                # body was never the sender's.
+                observe(route, Outcome.INVALID_SIGNATURE)
+                await exc.send(send)
+                return None
             except IdempotencyError as exc:
-                unsigned = isinstance(exc, InvalidSignature)
-                observe(route, Outcome.INVALID_SIGNATURE if unsigned else Outcome.INVALID_KEY)
+                observe(route, Outcome.INVALID_KEY)
                 await self._answer(exc, guard, scope, replay_body(body, receive), send)
                 return None
         if report and len(body) > limit:
@@ -426,7 +494,6 @@ class IdempotencyMiddleware:
             chosen,
             exclude=policy.fingerprint_exclude,
         )
-        where = host_name(host) if self.scope_by_host else ""
         if principal is None:  # named when FastAPI resolves the dependency
             return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
         principal = str(principal)
@@ -441,7 +508,17 @@ class IdempotencyMiddleware:
             await exc.send(send)
             return
         self._observer.report(guard.route, "", exc.status)
-        await self.app(scope, receive, send)
+        await self._unguarded(guard, scope, receive, send)
+
+    async def _unguarded(self, guard: _Guard, scope: Scope, receive: Receive, send: Send) -> None:
+        """Report mode: the app answers as if unguarded. A transactional route's handler
+        still gets the transaction it writes through (its writes alone commit)."""
+        policy = guard.policy
+        if not policy.transactional:
+            await self.app(scope, receive, send)
+            return
+        request = GuardedRequest("", None, "", policy, guard.route, b"", "", "")
+        await Responder(self._runtime, request, scope, receive, send).run_unclaimed()
 
     def check_policies(self, app: Any = None) -> None:
         """Refuse transactional policies on a store that cannot honour them.
@@ -455,7 +532,7 @@ class IdempotencyMiddleware:
         """
         found = [p for p in (*self.policies.values(), self.default_policy) if p.transactional]
         if app is not None:
-            found += [p for p in iter_endpoint_policies(app) if p.transactional]
+            found += [p for p in iter_endpoint_policies(app, self) if p.transactional]
         if not found:
             return
         store = self.store
@@ -471,14 +548,25 @@ class IdempotencyMiddleware:
             )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the app at startup, then run its lifespan with the store's check.
+
+        A refusal is reported as Starlette reports a failing startup: the server gets
+        ``lifespan.startup.failed`` with the reason (uvicorn prints it and exits non-zero)
+        and the exception is raised (a ``TestClient``'s ``with`` raises it). From
+        ``lifespan.startup`` until ``lifespan.startup.complete`` has gone out, guarded
+        requests are answered 503 and the handler never runs; after a failed startup,
+        503 (or the refusal's 500) for as long as the process serves.
+        """
         message = await receive()
         if message["type"] == "lifespan.startup":
             try:
                 self._start(scope.get("app"), on_request=False)
             except ValueError as exc:
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                return
+                raise
+            self._refusal = AppNotStarted(_NOT_STARTED_DETAIL, retry_after=self.retry_after)
         first = True
+        answered = False
 
         async def replay() -> Message:
             nonlocal first
@@ -487,12 +575,31 @@ class IdempotencyMiddleware:
                 return message
             return await receive()
 
-        prepared = functools.partial(self._readiness.lifespan, self.app)
-        if self.prune_interval is None:
-            await prepared(scope, replay, send)
-            return
-        from .retention import PruningMiddleware
+        async def watch(sent: Message) -> None:
+            nonlocal answered
+            kind = sent["type"]
+            if kind == "lifespan.startup.complete":
+                answered = True
+                self._refusal = None
+            elif kind == "lifespan.startup.failed":
+                answered = True
+                self._refusal = AppNotStarted(_STARTUP_FAILED_DETAIL, retry_after=self.retry_after)
+            await send(sent)
 
-        # The pruner wraps the check, so it starts only once the table is there.
-        pruning = PruningMiddleware(prepared, store=self.store, interval=self.prune_interval)
-        await pruning(scope, replay, send)
+        prepared = functools.partial(self._readiness.lifespan, self.app)
+        try:
+            if self.prune_interval is None:
+                await prepared(scope, replay, watch)
+                return
+            from .retention import PruningMiddleware
+
+            # The pruner wraps the check, so it starts only once the table is there.
+            pruning = PruningMiddleware(prepared, store=self.store, interval=self.prune_interval)
+            await pruning(scope, replay, watch)
+        finally:
+            if not answered and isinstance(self._refusal, AppNotStarted):
+                # The app returned or raised without answering startup: it does not speak
+                # lifespan (uvicorn's default then serves without it), so requests are
+                # served as without lifespan (the store checked on the first guarded
+                # ones); the guard's own checks passed.
+                self._refusal = None

@@ -20,7 +20,7 @@ from .errors import SchemaMissing
 from .metrics import InMemoryMetrics, MetricsSink, Outcome
 from .tracing import trace as _otel
 
-__all__ = ["Observer", "logger", "store_label"]
+__all__ = ["Observer", "logger", "route_to_server_log", "store_label"]
 
 # A store that is not ready repeats its reason on every guarded request; say it again
 # only when it changes or after this many seconds, not once per request.
@@ -40,6 +40,54 @@ _NOT_READY_DOWN = (
     "is up and reachable from this server (host, port, credentials); guarded requests "
     "get 503 until it answers"
 )
+
+
+class _ServerLog(logging.Handler):
+    """WARNING and up of the package's logger, shown where the server shows its own lines,
+    but only while nothing else would show them.
+
+    A library leaves its log to the application; but an app served as the README shows
+    (``uvicorn main:app``) configures no logging of its own: uvicorn gives handlers to
+    its own loggers only, and the package's ``NullHandler`` stops Python's last resort,
+    so a store's failure would be logged nowhere. Checked on every record, so an app that
+    configures logging later (a root handler, or one on ``asgi_idempotency``) takes over.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _shown_elsewhere():
+            return
+        server = logging.getLogger("uvicorn.error")
+        if _handlers_of(server):
+            server.handle(record)  # in uvicorn's format, on its stream (stderr)
+        else:
+            last = logging.lastResort  # stderr, as Python shows a record nobody handles
+            if last is not None:
+                last.handle(record)
+
+
+def _handlers_of(start: logging.Logger) -> list[logging.Handler]:
+    """The handlers a record logged on ``start`` reaches, as ``Logger.callHandlers`` walks them."""
+    found: list[logging.Handler] = []
+    node: logging.Logger | None = start
+    while node is not None:
+        found += node.handlers
+        node = node.parent if node.propagate else None
+    return found
+
+
+def _shown_elsewhere() -> bool:
+    return any(not isinstance(h, (logging.NullHandler, _ServerLog)) for h in _handlers_of(logger))
+
+
+def route_to_server_log() -> None:
+    """Once per process: show the package's WARNING and up in the server's log (uvicorn's
+    ``uvicorn.error``, else stderr) whenever the application has configured no handler
+    that would show them. Called when a middleware starts."""
+    if not any(isinstance(h, _ServerLog) for h in logger.handlers):
+        logger.addHandler(_ServerLog())
 
 
 def _line(event: str, fields: dict[str, Any], hint: str = "") -> str:

@@ -48,7 +48,7 @@ import orjson
 from . import lifecycle, tracing
 from .canonical import canonical_json
 from .errors import InProgress, KeyReused, StoreError
-from .lease import LeaseRenewals, Renewal
+from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import ClaimOutcome
 from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer, store_label
@@ -298,6 +298,12 @@ class Once:
         call = self._prepare(key, fn, args, kwargs)
         return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
 
+    def count(self, namespace: str, outcome: Outcome) -> None:
+        """Count a call an adapter refused before it reached this guard (a missing or
+        invalid key, a caller it cannot name), as the middleware counts a request it
+        refused: in :meth:`snapshot` and the metrics sink, under ``namespace``."""
+        self._observer.counted(namespace, outcome)
+
     def snapshot(self) -> MetricsSnapshot:
         """This guard's outcome counts so far, by namespace (in the route's place) and outcome."""
         return self._observer.counts.snapshot()
@@ -395,7 +401,12 @@ class Once:
         elif isinstance(exc, InProgress):
             self._outcome(call, span, Outcome.IN_PROGRESS)
         elif isinstance(exc, StoreError):
-            self._outcome(call, span, Outcome.STORE_UNAVAILABLE)
+            # Logged as the middleware logs the claim a 503 answered: the function did not run.
+            unavailable = Outcome.STORE_UNAVAILABLE
+            self._observer.store_error(
+                call.namespace, call.key, "claim", exc, outcome=unavailable.value
+            )
+            self._outcome(call, span, unavailable)
 
     async def _store(self, operation: str, span: Any, coro: Awaitable[T]) -> T:
         """Await one store operation, timed and traced as a child of ``span`` if either is on."""
@@ -431,6 +442,8 @@ class Once:
             if outcome is ClaimOutcome.COMPLETED:
                 assert record is not None
                 assert record.response is not None
+                # The middleware's replay event, without its status: a result has none.
+                self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
                 return record.response.body
             if outcome is ClaimOutcome.MISMATCH:
                 self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
@@ -472,9 +485,19 @@ class Once:
                 )),
             )  # fmt: skip
         except StoreError as exc:
-            # The function ran: its result is the caller's even though it is not stored.
-            # The claim stays in progress until its lease ends (README: guarantees).
+            # The function ran: its result is the caller's even though it is not stored
+            # yet. The completion is tried again in the background under a renewed
+            # lease, for the lease's life, as the HTTP side does (README: guarantees).
             self._observer.store_error(call.namespace, call.key, "complete", exc)
+            retry = complete_later(
+                self.store, self._renewals, self._observer, call.key, owned.token, stored,
+                now, ttl=self.ttl, lease=self.lease, every=self._renew_every,
+                route=call.namespace,
+            )  # fmt: skip
+            task = asyncio.ensure_future(retry)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            task.add_done_callback(functools.partial(self._log_failure, call, "complete"))
         else:
             if not done:
                 self._log(logging.ERROR, "idempotency.claim_lost", call, phase="complete")

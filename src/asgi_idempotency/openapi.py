@@ -1,27 +1,13 @@
 """The guard's contract in a FastAPI app's OpenAPI schema, without touching its routes.
 
-:func:`install_openapi` wraps ``app.openapi``, FastAPI's documented extension point
-(a callable that builds the schema and caches it in ``app.openapi_schema``). Each
-guarded operation then shows what a client must know:
-
-- the ``Idempotency-Key`` header parameter, required where the policy requires it;
-- 400, 409, 410, 413, 422 and 503 answered as ``application/problem+json`` with the
-  shared ``IdempotencyProblem`` schema and an example naming our stable problem type
-  (``urn:asgi-idempotency:problem:...``); 401 too where the guard itself refuses a
-  request that names no caller (a ``principal`` that can answer ``None``);
-- ``Retry-After`` on 409 and 503, ``Idempotent-Replayed`` on the success responses.
-
-Whether an operation is guarded is answered by ``guard_of(method, template)``;
-:func:`guard_of_for` gives the middleware's own answer. The one call the middleware
-is to make, once, at lifespan startup (or, when the server runs no lifespan, on its
-first request of any method, before safe methods are passed through, since that
-request may be ``GET /openapi.json``)::
-
-    app = scope.get("app")
-    install_openapi(app, guard_of_for(self, app))
-
-Nothing here imports FastAPI: the schema is a plain dict, and an app without an
-``openapi`` method (plain Starlette) is left alone.
+:func:`install_openapi` wraps ``app.openapi``, FastAPI's documented extension point, so
+that each guarded operation (``guard_of(method, template)``; :func:`guard_of_for` gives
+the middleware's own answer) shows the ``Idempotency-Key`` header, the problem answers
+(400, 409, 410, 413, 422, 503, and 401 where the guard itself can refuse a request that
+names no caller) with the shared ``IdempotencyProblem`` schema, and the ``Retry-After``
+and ``Idempotent-Replayed`` headers. The middleware installs it once, at lifespan
+startup or on its first request. Nothing here imports FastAPI; an app without an
+``openapi`` method is left alone.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ from .errors import (
 )
 from .keys import MAX_KEY_LENGTH
 from .policy import Policy, ResolvedRoute, expand_routes
-from .principals import ANONYMOUS, AUTO, DependencyPrincipal
+from .principals import ANONYMOUS, DependencyPrincipal
 
 if TYPE_CHECKING:
     from .middleware import IdempotencyMiddleware
@@ -205,10 +191,9 @@ class _MiddlewareGuardOf:
         """Whether the guard answers 401 (``PrincipalMissing``) to a request naming no
         caller: a ``principal`` that may return ``None`` (``from_user``, ``from_session``,
         ``from_headers``, a callable of the app's). Not ``ANONYMOUS``, never ``None``;
-        not the default, which refuses with 500 where it cannot tell callers apart;
         not ``from_dependency``, where the app's own auth dependency answers the 401."""
         who = self.middleware.principal
-        return who is not ANONYMOUS and who is not AUTO and not isinstance(who, DependencyPrincipal)
+        return who is not ANONYMOUS and not isinstance(who, DependencyPrincipal)
 
 
 class _RouteIndex:

@@ -20,6 +20,7 @@ __all__ = [
     "has_router",
     "idempotent",
     "iter_endpoint_policies",
+    "normalise_policies",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,6 +58,17 @@ class _DefaultLease(timedelta):
 
     def __repr__(self) -> str:
         return repr(timedelta(self.days, self.seconds, self.microseconds))
+
+
+class _DefaultBodyLimit(int):
+    """A ``max_body_bytes`` left out, remembered as such: 1 MiB, or the largest delivery
+    the route's webhook sender documents (``key_from``), derived again when
+    ``dataclasses.replace`` changes ``key_from``."""
+
+    __slots__ = ()
+
+
+_DEFAULT_BODY_LIMIT: Any = _DefaultBodyLimit(1024 * 1024)
 
 
 def _duration(name: str, value: object) -> timedelta:
@@ -99,7 +111,8 @@ class Policy:
             of the lease, so this bounds a dead worker's silence, not the handler's
             run time.
         max_body_bytes: request bodies above this get 413 before the store is touched
-            (default 1 MiB).
+            (default 1 MiB; on a webhook route, the largest delivery its sender
+            documents where that is more: 25 MB for ``github(secret)``).
         fingerprint_headers: request headers (case-insensitive) that enter the
             fingerprint besides method, path, query and body.
         transactional: run the handler inside the claim's Postgres transaction.
@@ -112,12 +125,17 @@ class Policy:
         key_from: a webhook receiver's key source (:mod:`asgi_idempotency.webhooks`:
             ``stripe(secret)``, ``github(secret)``, ``standard_webhooks(secret)``,
             ``from_header(name, sender=...)``): the key is the sender's delivery id,
-            taken after its signature is checked, instead of ``Idempotency-Key``;
-            records are scoped by the sender. A delivery without an id is 400.
+            taken after its signature is checked and only from what it covers,
+            instead of ``Idempotency-Key``; records are scoped by the sender and the
+            endpoint (method, path, query). A delivery without an id is 400.
         mode: ``"enforce"`` (default) answers as the guard decides; ``"report"`` claims,
             completes and records as usual but always runs the handler and returns
             its own answer, counting and logging (``idempotency.report``) the answer
             the guard would have given: for turning the guard on in a live service.
+            Whatever the guard or its store would have answered, the handler runs (on a
+            transactional route in a transaction whenever the store opens one, its
+            writes committing alone when the record is another request's); only a
+            webhook delivery whose signature fails is refused (400) in every mode.
 
     Raises:
         TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);
@@ -131,7 +149,7 @@ class Policy:
     required: bool = False
     ttl: timedelta = _DEFAULT_TTL
     lease: timedelta = _LEASE_NOT_GIVEN
-    max_body_bytes: int = 1024 * 1024
+    max_body_bytes: int = _DEFAULT_BODY_LIMIT
     fingerprint_headers: tuple[str, ...] = ()
     transactional: bool = False
     fingerprint_exclude: tuple[str, ...] = ()
@@ -155,6 +173,12 @@ class Policy:
                 )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
+        if isinstance(self.max_body_bytes, _DefaultBodyLimit):
+            sender = self.key_from.max_body_bytes if self.key_from is not None else None
+            # A sender's documented size is a floor for its route, never a cut: a
+            # delivery the sender may send must not be a 413 it retries for days.
+            limit = max(sender or 0, _DEFAULT_BODY_LIMIT)
+            object.__setattr__(self, "max_body_bytes", _DefaultBodyLimit(limit))
         if self.mode not in ("enforce", "report"):
             raise ValueError(f"mode must be 'enforce' or 'report', not {self.mode!r}")
         names = frozenset(h.lower().encode("latin-1") for h in self.fingerprint_headers)
@@ -188,7 +212,7 @@ def idempotent(
     required: bool = False,
     ttl: timedelta = _DEFAULT_TTL,
     lease: timedelta = _LEASE_NOT_GIVEN,
-    max_body_bytes: int = 1024 * 1024,
+    max_body_bytes: int = _DEFAULT_BODY_LIMIT,
     fingerprint_headers: Iterable[str] = (),
     transactional: bool = False,
     fingerprint_exclude: Iterable[str] = (),
@@ -198,7 +222,8 @@ def idempotent(
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
     Takes the same arguments as :class:`Policy`, with the same defaults (``lease``
-    left out is the smaller of 30 s and ``ttl``) and the same errors, raised here at
+    left out is the smaller of 30 s and ``ttl``; ``max_body_bytes`` left out follows
+    ``key_from``'s sender) and the same errors, raised here at
     decoration time. Put it below the framework's route decorator (``@app.post(...)``
     on top). The function is returned unchanged, so FastAPI still sees its signature.
     """
@@ -207,7 +232,7 @@ def idempotent(
         required=required,
         ttl=ttl,
         lease=lease,  # "not given" passes through as itself
-        max_body_bytes=max_body_bytes,
+        max_body_bytes=max_body_bytes,  # "not given" passes through as itself
         fingerprint_headers=tuple(fingerprint_headers),
         transactional=transactional,
         fingerprint_exclude=tuple(fingerprint_exclude),
@@ -231,6 +256,48 @@ def policy_of(endpoint: Any) -> Policy | None:
 class ResolvedRoute:
     template: str  # e.g. "/orders/{order_id}/refunds", mount prefixes included
     endpoint: Any
+    # Served by a mounted app with its own IdempotencyMiddleware, which decides: its
+    # principal is the one that app's auth yields (template: the Mount's path).
+    delegated: bool = False
+
+
+def mounted_app(mount: Mount) -> Any:
+    """The app a Mount was given, inside the Mount's own ``middleware=``."""
+    return getattr(mount, "_base_app", mount.app)
+
+
+def mount_level_guard(mount: Mount, besides: object = None) -> bool:
+    """Whether a guard other than ``besides`` is in the Mount's own ``middleware=``. Such a
+    guard resolves routes through the enclosing app's router with the Mount's
+    ``root_path`` and finds none of them, so it cannot decide there."""
+    node: Any = mount.app
+    base = mounted_app(mount)
+    for _ in range(100):
+        if node is None or node is base:
+            return False
+        if getattr(type(node), "asgi_idempotency_guard", False) and node is not besides:
+            return True
+        node = getattr(node, "app", None)
+    return False
+
+
+def carries_guard(app: Any, besides: object = None) -> bool:
+    """Whether ``app`` (a Mount's app) has an IdempotencyMiddleware of its own, other than
+    ``besides`` (the guard asking): wrapping it, in the Mount's own middleware, or in a
+    Starlette app's middleware (built, or still only listed)."""
+    node = app
+    for _ in range(100):  # a chain that loops is not followed for ever
+        if node is None:
+            return False
+        if getattr(type(node), "asgi_idempotency_guard", False) and node is not besides:
+            return True
+        stack = getattr(node, "middleware_stack", None)
+        if stack is None:  # not built yet: what it will build
+            for entry in getattr(node, "user_middleware", ()):
+                if getattr(getattr(entry, "cls", None), "asgi_idempotency_guard", False):
+                    return True
+        node = stack if stack is not None else getattr(node, "app", None)
+    return False
 
 
 def expand_routes(routes: Iterable[Any]) -> list[Any]:
@@ -263,8 +330,9 @@ class _Walk:
     and whose route lists it looked at (the router, the Mounts it entered) with their
     lengths then, so a cached answer can tell that a route was added or removed since."""
 
-    def __init__(self, expand: Callable[[list[Any]], list[Any]]) -> None:
+    def __init__(self, expand: Callable[[list[Any]], list[Any]], guard: object) -> None:
         self.expand = expand
+        self.guard = guard
         self.cacheable = True
         self.seen: list[tuple[Any, int]] = []
 
@@ -281,6 +349,8 @@ class _Walk:
                 continue
             if match is not Match.FULL:
                 continue
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), self.guard):
+                return ResolvedRoute(prefix + original.path, original.app, delegated=True)
             if isinstance(original, (Mount, Host)):
                 sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
                 found = self(original, {**scope, **child}, sub_prefix)
@@ -318,9 +388,10 @@ class RouteResolver(Generic[T]):
     starts over. Call :meth:`clear` when what ``decide`` reads changes.
     """
 
-    def __init__(self, decide: Decide[T], maxsize: int = 4096) -> None:
+    def __init__(self, decide: Decide[T], maxsize: int = 4096, *, guard: object = None) -> None:
         self.maxsize = maxsize
         self._decide = decide
+        self._guard = guard  # the guard resolving: a Mount with another guard is that one's
         # (id(router), method, root_path, path) -> (answer, router, [(route owner, len)])
         self._answers: dict[tuple[int, str, str, str], tuple[T, Any, list[tuple[Any, int]]]] = {}
         # id(routes list) -> (the list, its length then, the flattened routes)
@@ -353,7 +424,7 @@ class RouteResolver(Generic[T]):
             answer = self._decide(scope, None, False)
             seen: list[tuple[Any, int]] = []
         else:
-            walk = _Walk(self._expand)
+            walk = _Walk(self._expand, self._guard)
             found = walk(router, dict(scope), "")
             answer = self._decide(scope, found, True)
             if not walk.cacheable:
@@ -365,13 +436,16 @@ class RouteResolver(Generic[T]):
         return answer
 
 
-def iter_endpoint_policies(app: Any) -> list[Policy]:
-    """Every ``@idempotent`` policy on an endpoint the app's router can reach."""
+def iter_endpoint_policies(app: Any, guard: object = None) -> list[Policy]:
+    """Every ``@idempotent`` policy on an endpoint the app's router can reach, except in
+    Mounts whose app has a guard other than ``guard``."""
     found: list[Policy] = []
 
     def walk(routes: Iterable[Any]) -> None:
         for route in expand_routes(routes):
             original = getattr(route, "original_route", route)
+            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+                continue  # its own guard checks its policies
             if isinstance(original, (Mount, Host)):
                 walk(original.routes)
                 continue
@@ -380,6 +454,29 @@ def iter_endpoint_policies(app: Any) -> list[Policy]:
                 found.append(policy)
 
     walk(getattr(getattr(app, "router", None), "routes", ()))
+    return found
+
+
+def normalise_policies(policies: Mapping[str, Policy]) -> dict[str, Policy]:
+    """The policies map with each entry spelled as requests are looked up: ``"METHOD
+    /template"`` with the method upper-cased (``"post /refunds"`` is ``"POST /refunds"``,
+    as ``methods=`` is read), or a bare template.
+
+    Raises:
+        ValueError: two entries name the same method and route once normalised.
+    """
+    found: dict[str, Policy] = {}
+    given: dict[str, str] = {}
+    for entry, policy in policies.items():
+        method, _, template = entry.strip().rpartition(" ")
+        method = method.strip().upper()
+        key = f"{method} {template}" if method else template
+        if key in found:
+            raise ValueError(
+                f"policies[{given[key]!r}] and policies[{entry!r}] both name {key!r}: "
+                "keep one (methods are case-insensitive)"
+            )
+        found[key], given[key] = policy, entry
     return found
 
 

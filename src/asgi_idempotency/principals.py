@@ -1,30 +1,11 @@
-"""Who the caller is: the principal a record belongs to.
+"""Who the caller is: the principal a record belongs to (``IdempotencyMiddleware(principal=...)``).
 
 A record's key is a digest of (host, principal, client key), so the principal decides
-who may receive a stored response. It is *who the caller is*, never the bytes of
-their credentials: a digest of an ``Authorization`` header or a session cookie
-changes when a token is refreshed or a cookie re-signed, and the same user's retry
-would then run a second time. Nor is it ever silently empty: a helper that finds no
-caller answers 401, and one that cannot work as wired says how to fix it.
-
-Pass one of these as ``IdempotencyMiddleware(principal=...)``:
-
-============================  =================================================
-``from_dependency(dep)``      FastAPI: the result of the app's own auth dependency;
-                              the claim waits until FastAPI has resolved it
-``from_user()``               an authenticated ``scope["user"]`` (Starlette's
-                              ``AuthenticationMiddleware``, outside the guard)
-``from_session(field)``       a field of ``scope["session"]`` (``SessionMiddleware``,
-                              outside the guard)
-``from_headers(*names)``      headers a gateway in front of the app has verified
-``ANONYMOUS``                 one caller, or a public service: no scoping
-any ``scope -> str | None``   your own; ``None`` is "no caller" (401)
-============================  =================================================
-
-With no ``principal=`` the guard uses :data:`AUTO`: an authenticated user with an
-identity, else anonymous *only if* the request carries nothing that looks like a
-credential; where the app has per-caller input the guard cannot scope by, it refuses
-at startup (see :mod:`.appcheck`) or answers 500 naming the helper that fits.
+who may receive a stored response. It is who the caller is, never the bytes of their
+credentials (a refreshed token would run a retry twice), and never silently empty: a
+helper that finds no caller answers 401. The helpers (``from_dependency``,
+``from_user``, ``from_session``, ``from_headers``, ``ANONYMOUS``) and choosing one:
+docs/guide/principal.md.
 """
 
 from __future__ import annotations
@@ -38,7 +19,6 @@ from .errors import PrincipalMisconfigured
 
 __all__ = [
     "ANONYMOUS",
-    "AUTO",
     "DependencyPrincipal",
     "PrincipalFunc",
     "from_dependency",
@@ -52,8 +32,8 @@ __all__ = [
 # function that means it), ``None`` for "this request names no caller". Sync or async.
 PrincipalFunc = Callable[[Scope], "Awaitable[str | None] | str | None"]
 
-# Request headers that carry a caller's credentials or session. A request with one of
-# these names somebody: scoping it as anonymous would be a guess.
+# Request headers that commonly carry a caller's credentials or session. Only for
+# ANONYMOUS's warning: never to decide who the caller is, since an app may use any header.
 CREDENTIAL_HEADERS: Final = frozenset(
     {
         b"authorization",
@@ -69,10 +49,10 @@ CREDENTIAL_HEADERS: Final = frozenset(
     }
 )
 
-_HELPERS = (
+HELPERS: Final = (
     "principal=from_dependency(<your auth dependency>) for FastAPI, from_user(), "
-    "from_session('<field>'), from_headers('<header>', ...) or ANONYMOUS "
-    "(from asgi_idempotency.principals)"
+    "from_session('<field>'), from_headers('<header>', ...), or ANONYMOUS for a public "
+    "or single-caller service (from asgi_idempotency.principals)"
 )
 
 
@@ -97,7 +77,7 @@ class _Anonymous:
                         "idempotency.anonymous_with_credentials header=%s: principal=ANONYMOUS, "
                         "but requests carry credentials; if they come from different callers, "
                         "those callers share stored answers. Pass %s.",
-                        name.decode("latin-1").lower(), _HELPERS,
+                        name.decode("latin-1").lower(), HELPERS,
                         extra={"event": "idempotency.anonymous_with_credentials"},
                     )  # fmt: skip
                     break
@@ -140,6 +120,42 @@ def identity_of(value: Any, what: str) -> str:
     )
 
 
+# How a caller object names its caller: a function of it, or the name of its attribute.
+Identity = Callable[[Any], str] | str
+
+
+def _identity_function(identity: Identity | None) -> Callable[[Any], str] | None:
+    if identity is None or callable(identity):
+        return identity
+    if not isinstance(identity, str) or not identity:
+        raise TypeError(
+            "identity= takes a function of the caller object or an attribute name, "
+            f"not {identity!r}"
+        )
+    return _Attribute(identity)
+
+
+class _Attribute:
+    """``identity="username"``: that attribute of the caller object, as a string."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, value: Any) -> str:
+        found = getattr(value, self.name, None)
+        if found is None or callable(found) or found == "":
+            raise PrincipalMisconfigured(
+                f"identity={self.name!r}: the {type(value).__name__} has no {self.name!r} "
+                "to name its caller"
+            )
+        return str(found)
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+
 def _check_field(kind: str, name: object) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{kind} needs a non-empty name, got {name!r}")
@@ -169,14 +185,15 @@ class _FromUser:
         return "from_user()"
 
 
-def from_user(*, identity: Callable[[Any], str] | None = None) -> PrincipalFunc:
+def from_user(*, identity: Identity | None = None) -> PrincipalFunc:
     """The authenticated ``scope["user"]``'s ``identity`` (or ``id``); never ``display_name``.
 
     Needs Starlette's ``AuthenticationMiddleware`` outside the guard (the guard refuses
     to start otherwise). An unauthenticated request is answered 401 on guarded routes.
-    ``identity`` maps the user object to a string when it has neither attribute.
+    ``identity`` maps the user object to a string when it has neither attribute: a
+    function of it, or the name of the attribute that says who it is (``"username"``).
     """
-    return _FromUser(identity)
+    return _FromUser(_identity_function(identity))
 
 
 class _FromSession:
@@ -278,18 +295,25 @@ class DependencyPrincipal:
 
 
 def from_dependency(
-    dependency: Callable[..., Any], *, identity: Callable[[Any], str] | None = None
+    dependency: Callable[..., Any], *, identity: Identity | None = None
 ) -> DependencyPrincipal:
     """FastAPI: the caller is what the app's own auth dependency returns.
 
     ``dependency`` is the function (or callable) the routes already use in
     ``Depends(...)`` (directly, in ``dependencies=[...]`` of the route, router or
-    app, or inside another dependency). Its result names the caller: a ``str``, or
-    an object's ``identity`` or ``id`` attribute, or what ``identity(result)``
-    returns. The guard claims the key once FastAPI has resolved the dependency
-    (FastAPI caches it per request, so it runs once), so a request it rejects (401,
-    403) is never claimed; one that fails validation after it is released, never
-    stored. Guarded routes that do not use it are refused at startup.
+    app, or inside another dependency). Its result must name the caller: a ``str``,
+    or an object with an ``identity`` or ``id`` attribute; for any other object
+    (FastAPI's tutorial ``User`` with ``username``, ``email``, ...) pass
+    ``identity=``: the attribute that names the caller (``identity="username"``)
+    or a function of the result returning a ``str``. When the dependency's return
+    annotation is a class with neither attribute and no ``identity=`` is given, the
+    app does not start. The guard claims the key once FastAPI has resolved the
+    dependency (FastAPI caches it per request, so it runs once), so a request it
+    rejects (401, 403) is never claimed; one that fails validation after it is
+    released, never stored. Every route the guard would guard (the default policy's
+    methods, the policies map, ``@idempotent``) and that does not use the
+    dependency is refused at startup: add ``Depends(dependency)`` to it or exempt
+    it with ``Policy(enabled=False)``.
 
     Raises:
         TypeError: ``dependency`` is a FastAPI security scheme (``HTTPBearer()``,
@@ -306,7 +330,7 @@ def from_dependency(
             "dependency that turns them into the caller (e.g. get_current_user), or "
             "identity= a function of the credentials that names the caller."
         )
-    return DependencyPrincipal(dependency, identity)
+    return DependencyPrincipal(dependency, _identity_function(identity))
 
 
 def _is_security_scheme(obj: object) -> bool:
@@ -315,38 +339,3 @@ def _is_security_scheme(obj: object) -> bool:
     security = sys.modules.get("fastapi.security.base")
     base = getattr(security, "SecurityBase", None)
     return base is not None and isinstance(obj, base)
-
-
-class _Auto:
-    """The default: find the caller where that is unambiguous, else refuse."""
-
-    __slots__ = ()
-
-    def __call__(self, scope: Scope) -> str | None:
-        credential = None
-        for name, _ in scope["headers"]:
-            if name.lower() in CREDENTIAL_HEADERS:
-                credential = name.lower()
-                break
-        return self.of(scope, credential)
-
-    def of(self, scope: Scope, credential: bytes | None) -> str:
-        """The principal, given the name of a credential header the request carries (the
-        middleware finds it in the pass it makes over the headers anyway)."""
-        user = scope.get("user")
-        if user is not None and getattr(user, "is_authenticated", False):
-            return identity_of(user, "scope['user']")
-        if credential is not None:
-            raise PrincipalMisconfigured(
-                f"This request carries a {credential.decode('latin-1')} header, so it comes "
-                "from a particular caller, but the guard was not told how to tell "
-                f"callers apart. Pass {_HELPERS}."
-            )
-        return ""
-
-    def __repr__(self) -> str:
-        return "AUTO"
-
-
-AUTO: Final = _Auto()
-HELPERS: Final = _HELPERS

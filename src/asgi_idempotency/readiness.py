@@ -37,8 +37,10 @@ class Readiness:
         self._checked_at = -math.inf  # monotonic time of the last failed check
         self._checking: asyncio.Event | None = None  # set when the check in flight ends
 
-    async def ensure(self, route: str, send: Send) -> bool:
-        """Prepare the store for an app served without lifespan; ``False`` once answered 503.
+    async def ensure(self, route: str, send: Send, *, report: bool = False) -> bool:
+        """Prepare the store for an app served without lifespan; ``False`` once answered 503
+        (in report-only mode, ``report``: not answered, only logged and counted; the
+        caller lets the app answer).
 
         A failed check is repeated at most every ``retry_after`` seconds, so running
         ``asgi-idempotency migrate`` heals a running app without a check per request.
@@ -68,6 +70,9 @@ class Readiness:
             return True
         self._observer.not_ready("request", missing, now=now, route=route)
         self._observer.outcome(route, Outcome.STORE_UNAVAILABLE)
+        if report:
+            self._observer.report(route, "", StoreUnavailable.status)
+            return False
         # Always 503, fail_open or not: a missing schema is a deployment step left
         # out, not an outage, and running unguarded would hide it.
         await StoreUnavailable(missing.detail, retry_after=self.retry_after).send(send)
@@ -83,15 +88,17 @@ class Readiness:
 
         After the app's startup (which may be what creates the schema, in development),
         ``prepare`` runs. A missing schema fails startup with the message that names
-        the fix: the app is shut down first, so its own clean-up runs, and the server
-        gets ``lifespan.startup.failed``. An unreachable store does not stop the app
+        the fix: the app is shut down first, so its own clean-up runs, the server gets
+        ``lifespan.startup.failed``, and the :class:`SchemaMissing` is raised, as
+        Starlette raises its own app's startup error (a ``TestClient``'s ``with`` raises
+        it; uvicorn prints the message and exits). An unreachable store does not stop the app
         (it answers 503 until the store is back); it is logged, and the check is
         repeated on the first guarded requests.
         """
         if self.ready:
             await app(scope, receive, send)
             return
-        failure: str | None = None
+        failure: SchemaMissing | None = None
         reported = False
 
         async def app_receive() -> Message:
@@ -108,21 +115,23 @@ class Readiness:
                     return  # the app asks for its next message and is told to shut down
             elif failure is not None and kind.startswith("lifespan.shutdown."):
                 reported = True
-                await send({"type": "lifespan.startup.failed", "message": failure})
+                await send({"type": "lifespan.startup.failed", "message": failure.detail})
                 return
             await send(message)
 
         await app(scope, app_receive, app_send)
-        if failure is not None and not reported:
-            await send({"type": "lifespan.startup.failed", "message": failure})
+        if failure is not None:
+            if not reported:
+                await send({"type": "lifespan.startup.failed", "message": failure.detail})
+            raise failure
 
-    async def _prepare_at_startup(self) -> str | None:
+    async def _prepare_at_startup(self) -> SchemaMissing | None:
         """``None`` if the store is ready or unreachable (logged), else why startup fails."""
         try:
             await self._run_prepare()
         except SchemaMissing as exc:
             self._observer.not_ready("startup", exc, now=time.monotonic())
-            return exc.detail
+            return exc
         except StoreError as exc:
             self._observer.not_ready("startup", exc, now=time.monotonic())
         return None

@@ -1,42 +1,11 @@
 """An opt-in detector for clients that mint a new key inside their retry loop.
 
-Such a client deduplicates nothing: each attempt is a new key, so the guard sees two
-different keys with identical requests and runs both. The signature is visible, though:
-the same caller (host and principal) sending the same request (fingerprint) under a
-different key within a short window. That is counted
-(``suspected_regenerated_keys`` by route) and logged with both key digests.
-
-It is a suspicion, not a verdict: a caller that really means to do the same thing twice
-within the window looks the same. The window should be about a client's retry budget
-(seconds), not a business interval.
-
-Where it looks: in the store every worker shares, so a retry that reaches another
-process or host is seen. Each request the guard runs writes a short-lived *marker* row
-through the store's own atomic ``insert`` (no schema change, every store):
-
-- its key is a digest of ("regenerated", host, principal, fingerprint), built so that
-  it can never equal a request's or a function's record key;
-- its ``request_hash`` holds the request's scoped key (a digest: never the raw key);
-- its lease and retention both end ``window`` from now, so ``prune`` deletes it.
-
-``insert`` answers in the one round trip: nothing there (the first sighting), a live
-marker naming the same scoped key (a retry of one key: nothing to say), a live marker
-naming another (the same caller sent the same request under another key: flagged),
-or a marker past its window (replaced by compare-and-swap, so the window restarts).
-The window runs from the first sighting, not the last.
-
-Cost: one insert per request the handler runs for (a replay, 409 or 422 writes
-nothing); a second statement only when an old marker is replaced. Nothing when off.
-A failed marker write never fails the request: it is logged, and the request runs.
-
-Marker rows are in-progress rows to the store: ``asgi-idempotency stats`` counts them
-among live in-progress rows for the length of the window (about the guarded request
-rate times the window), then among expired rows until pruned. They never answer a
-request (no request's key can equal theirs), and a log line's ``key_digest`` names a
-request's record, never a marker, so ``inspect`` finds the record.
-
-In transactional mode the marker is written in the request's transaction: it commits
-with the record, and a request rolled back leaves none.
+The same caller (host and principal) sending the same request (fingerprint) under
+another key within a short window is counted (``suspected_regenerated_keys``) and
+logged with both key digests: a suspicion, not a verdict. The lookup is a short-lived
+marker row written through the store's own atomic ``insert``, so every worker sees it;
+a failed marker write is logged and never fails the request. How it works and what it
+costs: docs/operations.md ("Keys minted inside a retry loop").
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import scoped_key
-from .lease import LeaseRenewals, Renewal
+from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
 from .observer import Observer, logger
@@ -60,7 +60,6 @@ from .policy import Policy
 from .regenerated import RegeneratedKeys
 from .stores.base import (
     NewClaim,
-    RecordStatus,
     Store,
     StoredResponse,
     StoreTransaction,
@@ -144,72 +143,18 @@ class Runtime:
         self, key: str, token: str, stored: StoredResponse, now: datetime, *,
         ttl: timedelta, lease: timedelta, every: float, route: str,
     ) -> None:  # fmt: skip
-        """Try again, in the background, a completion that the store failed.
-
-        The attempts follow :func:`.lifecycle.completion_retries` (a few, with backoff,
-        within one ``lease``); meanwhile the claim's lease is renewed every ``every``
-        seconds, so that no retry takes the claim over and runs the handler again.
-        Each failure is logged (WARNING), and giving up (ERROR); the claim then stays
-        in progress until its lease ends, as it did before this was tried.
-        """
-        renewal = self.renewals.start(key, token, lease, every, route)
+        """Try again, in the background, a completion that the store failed
+        (:func:`.lease.complete_later`: for the lease's life, under a renewed lease)."""
         task = asyncio.ensure_future(
-            self._complete_again(key, token, stored, now, ttl, lease, route)
-        )
+            complete_later(
+                self.store, self.renewals, self.observer, key, token, stored, now,
+                ttl=ttl, lease=lease, every=every, route=route,
+            )
+        )  # fmt: skip
         self._keep(task)
-        task.add_done_callback(functools.partial(self._completed_again, renewal, token, route, key))
-
-    async def _complete_again(
-        self, key: str, token: str, stored: StoredResponse, now: datetime, ttl: timedelta,
-        lease: timedelta, route: str,
-    ) -> None:  # fmt: skip
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + lease.total_seconds()
-        attempts = 1  # the one that failed
-        for delay in lifecycle.completion_retries(lease):
-            if loop.time() + delay >= deadline:
-                break  # an attempt past the lease could find the claim taken over
-            await asyncio.sleep(delay)
-            attempts += 1
-            try:
-                owned = await self.store.complete(key, token, stored, now=now, ttl=ttl)
-            except StoreError as exc:
-                self.observer.log(
-                    logging.WARNING, "idempotency.complete_retry_failed", route, key,
-                    attempt=attempts, error=type(exc).__name__,
-                )  # fmt: skip
-                continue
-            if owned or await self._landed(key, token):
-                self.observer.log(
-                    logging.WARNING, "idempotency.complete_recovered", route, key,
-                    attempt=attempts,
-                )  # fmt: skip
-            else:
-                self.observer.log(
-                    logging.ERROR, "idempotency.claim_lost", route, key, phase="complete"
-                )
-            return
-        self.observer.log(
-            logging.ERROR, "idempotency.complete_gave_up", route, key, attempts=attempts
+        task.add_done_callback(
+            functools.partial(self._log_failure, route, key, "complete", after="retrying")
         )
-
-    async def _landed(self, key: str, token: str) -> bool:
-        """Whether our claim is completed already: a failure whose write had landed (the
-        answer was lost) leaves nothing for a retry to complete, and is no lost claim."""
-        try:
-            record = await self.store.get(key)
-        except StoreError:
-            return False
-        return (
-            record is not None and record.token == token and record.status is RecordStatus.COMPLETED
-        )
-
-    def _completed_again(
-        self, renewal: Renewal, token: str, route: str, key: str, task: asyncio.Task[Any]
-    ) -> None:
-        renewal.stop(token)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error(route, key, "complete", exc, after="retrying")
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` to the end even if this request is cancelled (it cannot run twice)."""
@@ -221,9 +166,11 @@ class Runtime:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    def _log_failure(self, route: str, key: str, phase: str, task: asyncio.Task[Any]) -> None:
+    def _log_failure(
+        self, route: str, key: str, phase: str, task: asyncio.Task[Any], after: str = "cancelled"
+    ) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
-            self.observer.store_error(route, key, phase, exc, after="cancelled")
+            self.observer.store_error(route, key, phase, exc, after=after)
 
 
 _MISMATCH_DETAIL = (
@@ -279,6 +226,14 @@ class Responder:
             # A file sent by path would bypass the body we store: the app sends the bytes.
             scope["extensions"] = {k: v for k, v in extensions.items() if k != _PATHSEND}
         scope[GUARD_SCOPE_KEY] = self
+        try:
+            await self._run()
+        finally:
+            # The scope holds this responder and it the scope: a cycle only the
+            # collector would free, paid for by every request's p99.
+            scope.pop(GUARD_SCOPE_KEY, None)
+
+    async def _run(self) -> None:
         if self.req.principal is None:
             await self._run_app()  # the claim comes from the FastAPI dependency
             return
@@ -286,30 +241,67 @@ class Responder:
             if await self._claim(self.rt.store):
                 await self._run_app()
             return
+        await self._in_transaction(claim=True)
+
+    async def run_unclaimed(self) -> None:
+        """Report-only mode, a transactional route, a request the guard would have refused
+        before claiming (no key, no caller, ...): the app runs as it would unguarded, so its
+        handler gets the transaction it writes through, whose writes alone commit."""
+        self.unread = False  # the middleware hands over ``receive`` as the app is to read it
+        await self._in_transaction(claim=False)
+
+    async def _in_transaction(self, *, claim: bool) -> None:
         store = self.rt.store
         assert isinstance(store, TransactionalStore)  # checked when the middleware was built
         tx: StoreTransaction | None = None
         try:
             async with store.transaction() as tx:
                 self.tx = tx
-                if await self._claim(tx):
+                if not claim:
+                    self._hand_transaction()
+                    await self._run_app()
+                elif await self._claim(tx) and self.state is not _State.UNGUARDED:
                     await self._run_app()
         except StoreError as exc:
             if tx is not None:
                 raise  # not from opening the transaction: answered where it arose
-            await self._unavailable(exc, "claim")
+            if claim:
+                await self._unavailable(exc, "claim")
+            else:
+                self.rt.observer.store_error(self.req.route, "", "transaction", exc)
+                self.state = _State.UNGUARDED
+            if self.state is _State.UNGUARDED:  # fail_open, report mode
+                await self._run_app()  # no transaction to hand the handler
+            return
+        if self.state is not _State.UNGUARDED:
+            return
+        # The claim failed and the request runs unguarded (fail_open, report mode), not
+        # in the transaction the failure may have broken. In report mode the handler
+        # gets a fresh one if the store gives it one, as it would have without a fault.
+        self.tx = None
+        if self.req.policy.mode == "report":
+            await self._in_transaction(claim=False)
+        else:
+            await self._run_app()
 
     @property
     def waiting(self) -> bool:
         """Whether this request waits for FastAPI to name its caller before it claims."""
         return self.state is _State.WAITING and self.req.principal is None
 
-    async def refuse(self, exc: IdempotencyError) -> None:
-        """Answer with ``exc`` instead of claiming (the caller could not be identified)."""
+    async def refuse(self, exc: IdempotencyError) -> bool:
+        """Answer with ``exc`` instead of claiming (the caller could not be identified);
+        whether the endpoint may run all the same (report-only mode: the app answers)."""
+        observer, route = self.rt.observer, self.req.route
+        observer.outcome(route, Outcome.UNIDENTIFIED)
+        observer.refused(route, exc)
+        if self.req.policy.mode == "report":
+            observer.report(route, "", exc.status)
+            self.state = _State.UNGUARDED
+            return True
         self.state = _State.ANSWERED
-        self.rt.observer.outcome(self.req.route, Outcome.UNIDENTIFIED)
-        self.rt.observer.refused(self.req.route, exc)
         await exc.send(self.send)
+        return False
 
     async def claim_deferred(self, principal: str) -> bool:
         """Claim now that FastAPI has named the caller: whether the endpoint may run.
@@ -380,7 +372,12 @@ class Responder:
         if not claim.owned:
             if policy.mode == "report":
                 self._report_existing(claim)
-                self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                if self.tx is None:
+                    self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                else:
+                    # The handler writes through the transaction as when the claim is
+                    # ours, and its writes commit alone: no token, so no record is ours.
+                    self._hand_transaction()
                 return True
             self.state = _State.ANSWERED
             await self._answer_existing(claim, now)
@@ -407,8 +404,16 @@ class Responder:
                 req.key, token, policy.lease, policy.renew_every, req.route
             )
         else:
-            self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+            self._hand_transaction()
         return True
+
+    def _hand_transaction(self) -> None:
+        """The app runs in the transaction (``request.state.idempotency``); its response
+        is held until it ends, to commit or roll back first. ``token`` stays empty when
+        the transaction holds no claim of this request's (report-only mode)."""
+        assert self.tx is not None
+        self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+        self.state = _State.OWNED
 
     async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
         """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
@@ -526,6 +531,13 @@ class Responder:
         content = b"".join(self.chunks)
         if not lifecycle.completes(status):
             await self._release()
+        elif not self.token:
+            # Report-only mode in a transaction holding no claim of ours: the handler's
+            # writes commit alone, as they would have without the guard.
+            assert self.tx is not None
+            if not await self._commit(self.tx, None, None):
+                self.state = _State.DONE
+                return
         else:
             if self.kept > STREAM_KEEP_LIMIT:
                 problem = ResponseNotKept(_NOT_KEPT_DETAIL)
@@ -565,7 +577,7 @@ class Responder:
         except StoreError as exc:
             # The effect happened but is not recorded: the client still gets the true
             # response now, and the completion is tried again in the background under
-            # a renewed lease (lifecycle.completion_retries; README: guarantees).
+            # a renewed lease, for the lease's life (lease.complete_later; README: guarantees).
             route, policy = self.req.route, self.req.policy
             self.rt.observer.store_error(route, key, "complete", exc)
             self.rt.complete_later(
@@ -576,10 +588,18 @@ class Responder:
         if not owned:
             self._log(logging.ERROR, "idempotency.claim_lost", phase="complete")
 
-    async def _commit(self, tx: StoreTransaction, stored: StoredResponse, now: datetime) -> bool:
-        key, ttl = self.req.key, self.req.policy.ttl
+    async def _commit(
+        self, tx: StoreTransaction, stored: StoredResponse | None, now: datetime | None
+    ) -> bool:
+        """Commit the handler's writes with the record (``stored``), or alone (``None``)."""
+        key = self.req.key
         try:
-            await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
+            if stored is None:
+                await self.rt.shielded(tx.commit_writes())
+            else:
+                assert now is not None
+                ttl = self.req.policy.ttl
+                await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.
@@ -596,7 +616,8 @@ class Responder:
         return True
 
     async def _release(self) -> None:
-        self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
+        if self.token:  # else report-only mode, no claim of ours: its outcome is counted
+            self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
         if self.tx is not None:
             return  # the transaction closes uncommitted: the claim rolls back with the writes
         store, key, token = self.rt.store, self.req.key, self.token
@@ -619,6 +640,8 @@ class Responder:
         unavailable = Outcome.STORE_UNAVAILABLE
         rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
         rt.observer.outcome(self.req.route, unavailable)
+        if self.req.policy.mode == "report":
+            rt.observer.report(self.req.route, self.req.key, StoreUnavailable.status)
         if rt.fail_open or self.req.policy.mode == "report":
             self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return

@@ -1,26 +1,10 @@
 """OpenTelemetry: the guard's decision on the request's server span, and a child span
 per store operation.
 
-Optional: the ``otel`` extra (``opentelemetry-api`` only; the app brings its SDK and
-its server instrumentation, as FastAPI services do). Without the API installed this
-module does nothing at all; with it installed but no SDK configured, the current span
-does not record and each hook costs one context lookup.
-
-Attributes (on the current span, the server span of a traced request):
-``idempotency.outcome`` (executed, replayed, in_progress, mismatch, ...; the values of
-:class:`~.metrics.Outcome`), ``idempotency.key_digest`` (the first 16 hex digits of
-the scoped key, as the logs print it; never the key), ``idempotency.taken_over``,
-``idempotency.mode``, and ``http.route`` (the route template). Store spans are named
-``idempotency <operation>`` (claim, complete, release, and mark for the regenerated-key
-detector) with ``db.operation.name``.
-
-The function guard (:class:`~.once.Once`) opens a span of its own per guarded call,
-``once <namespace>`` (INTERNAL), and puts the same attributes on it, with
-``idempotency.namespace`` and ``code.function.name`` in place of ``http.route``. Not
-the current span: a guarded function runs inside someone else's span (a consumer's, or
-an HTTP handler's server span, which already carries the middleware's own
-``idempotency.*`` decision), and two guarded calls in one span would overwrite each
-other's. Its store spans are its children.
+Optional: the ``otel`` extra (``opentelemetry-api`` only; the app brings its SDK).
+Without the API this module does nothing at all. The function guard opens a span of
+its own per guarded call (``once <namespace>``), since it runs inside someone else's
+span. Attributes and span names: docs/operations.md and docs/guide/once.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """The one rule for database URLs, shared by :class:`SQLStore`, the CLI and alembic's ``env.py``.
 
-The store runs on three async drivers: asyncpg, aiosqlite and (the ``mysql`` extra)
-asyncmy for MariaDB and MySQL. A URL that names the
-database but no driver gets the async one; a URL that names any other driver is
-refused rather than half-used:
-
-======================================  ===========================================
-given                                   used
-======================================  ===========================================
-``postgresql://…``, ``postgres://…``    ``postgresql+asyncpg://…``
-``postgresql+asyncpg://…``              unchanged
-``postgres+asyncpg://…``                ``postgresql+asyncpg://…``
-``sqlite:///path.db``, ``sqlite://``    ``sqlite+aiosqlite:///path.db`` (``sqlite://``: in memory)
-``sqlite+aiosqlite:///path.db``         unchanged
-``sqlite://./x.db``, ``sqlite://h/x``   :class:`ValueError`: a host where the path belongs
-                                        (two slashes), showing ``sqlite+aiosqlite:///./x.db``
-``mariadb://…``, ``mariadb+asyncmy://…``  ``mariadb+asyncmy://…``
-``mysql://…``, ``mysql+asyncmy://…``    ``mysql+asyncmy://…`` (MariaDB servers too)
-``postgresql+psycopg2://…`` and other   :class:`ValueError`, naming the accepted spellings
-drivers, other databases
-======================================  ===========================================
-
-libpq's ``?sslmode=require`` (as hosting providers print their URLs) becomes
-asyncpg's ``?ssl=require``: asyncpg takes the same six modes under that name.
-
-Redis URLs (:data:`REDIS_SCHEMES`, for :class:`~asgi_idempotency.stores.redis.RedisStore`)
-are a store of their own and pass through unchanged: ``redis://host:port/db``,
-``rediss://…`` (TLS), ``redis+cluster://host:port`` (any node of a Redis Cluster) and
-``rediss+cluster://…``. :func:`is_redis` tells them apart.
-
-Messages never carry a password: show URLs through :func:`redact`.
+A URL that names a database but no driver gets the async one (asyncpg, aiosqlite,
+asyncmy); one that names any other driver is refused with a :class:`ValueError` listing
+the accepted spellings (:data:`ACCEPTED`), as is a SQLite URL with a host where its path
+belongs. libpq's ``?sslmode=`` becomes asyncpg's ``?ssl=``. Redis URLs
+(:data:`REDIS_SCHEMES`) pass through unchanged; :func:`is_redis` tells them apart.
+Messages never carry a password: show URLs through :func:`redact`. The full table:
+docs/guide/postgres.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
-"""Webhook receivers: the key is the sender's delivery id, trusted only once its signature is.
+"""Webhook receivers: the key names the delivery, and only what its signature covers.
 
-A webhook sender (Stripe, GitHub, any Standard Webhooks sender) delivers at least once
-and names each delivery in its own header or body, not in ``Idempotency-Key``. Give a
-route ``Policy(key_from=...)`` with one of these and the guard takes the key from the
-delivery, after checking the sender's signature: a forged delivery carrying a real
-delivery id is answered 400 before any claim, so it can neither run the handler nor
-take the id from the real delivery. A replay answers the stored 2xx, so the sender
-stops retrying; a 5xx releases, so its next attempt runs.
-
-Delivery ids are scoped per sender (``sender`` is the records' principal), never by
-the middleware's ``principal=``.
-
-================================  ===========================================
-``stripe(secret)``                ``Stripe-Signature`` checked by the ``stripe``
-                                  package (timestamp tolerance); key: the event id
-``github(secret)``                ``X-Hub-Signature-256`` (HMAC-SHA256, as GitHub
-                                  documents; no official library); key:
-                                  ``X-GitHub-Delivery``
-``standard_webhooks(secret)``     ``webhook-signature`` checked by the
-                                  ``standardwebhooks`` package; key: ``webhook-id``
-``from_header(name, sender=...)`` a header, for a sender verified before the app
-================================  ===========================================
+``Policy(key_from=...)`` with one of these (``stripe``, ``github``,
+``standard_webhooks``, ``from_header``) takes a route's key from the sender's own
+delivery id, after checking the sender's signature: a forged delivery is a 400 before
+any claim. Records are scoped by the sender and the endpoint, never by the
+middleware's ``principal=``. Each sender's header, key and checks: docs/guide/usage.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
+from urllib.parse import quote
 
 import orjson
 
@@ -50,22 +35,47 @@ class DeliveryKey:
     """Where a route's key comes from instead of ``Idempotency-Key``, and its check.
 
     ``verify(headers, body)`` raises :class:`~.errors.InvalidSignature` for a delivery
-    the sender did not sign; ``key(headers, body)`` names the delivery.
+    the sender did not sign; ``key(headers, body)`` names the delivery, from what the
+    signature covers. ``max_body_bytes`` is the largest delivery the sender documents,
+    the route's body limit unless its policy sets one (``None``: the policy's 1 MiB).
     """
 
-    __slots__ = ("_key", "_verify", "sender")
+    __slots__ = ("_key", "_verify", "max_body_bytes", "sender")
 
     def __init__(
         self,
         sender: str,
         key: Callable[[dict[str, str], bytes], str | None],
         verify: Callable[[dict[str, str], bytes], None] | None = None,
+        *,
+        max_body_bytes: int | None = None,
     ) -> None:
         if not sender:
             raise ValueError("a delivery key needs a sender name: ids are scoped per sender")
+        if max_body_bytes is not None and max_body_bytes < 0:
+            raise ValueError("max_body_bytes must be >= 0")
         self.sender = sender
+        self.max_body_bytes = max_body_bytes
         self._key = key
         self._verify = verify
+
+    def principal(self, scope: Mapping[str, Any]) -> str:
+        """Whom the records of a delivery to this endpoint belong to: the sender and the
+        endpoint, its method, path and query as the request names them.
+
+        Stripe and Standard Webhooks senders deliver one event, under one id, to every
+        endpoint subscribed to it, each endpoint with its own secret: each must run it
+        once. The endpoint is the URL, not the route's template (one template can serve
+        several URLs, e.g. ``/hooks/{tenant}``, and GitHub lets one secret be reused
+        across hooks) and not the secret (rolling a secret would run again every
+        delivery retried across the roll). Splitting is safe: a sender redelivers to
+        the URL it delivered to. Path and sender are percent-encoded so no two
+        endpoints spell the same principal.
+        """
+        path = quote(scope["path"], safe="/")
+        query = scope.get("query_string", b"")
+        where = f"{path}?{query.decode('latin-1')}" if query else path
+        return f"webhook:{quote(self.sender, safe='')} {scope['method']} {where}"
 
     def __call__(self, headers: Headers, body: bytes) -> str:
         """The delivery's key, once its signature holds.
@@ -95,7 +105,9 @@ class DeliveryKey:
 
 
 def from_header(name: str, *, sender: str) -> DeliveryKey:
-    """The key is header ``name``, unverified: for a sender checked before the app."""
+    """The key is header ``name``, unverified: for a sender checked before the app, and
+    a header that check covers (GitHub's ``X-GitHub-Delivery`` is not: use :func:`github`).
+    """
     lowered = name.lower()
     return DeliveryKey(sender, lambda headers, _body: headers.get(lowered))
 
@@ -118,10 +130,22 @@ _BAD_SIGNATURE: Final = (
 )
 
 
+# "Payloads are capped at 25 MB" (GitHub's webhook docs); counted in MiB, the larger
+# reading, so no delivery GitHub sends is refused.
+_GITHUB_MAX_BODY: Final = 25 * 1024 * 1024
+
+
 def github(secret: str, *, sender: str = "github") -> DeliveryKey:
     """GitHub: ``X-Hub-Signature-256`` is ``sha256=`` and the HMAC-SHA256 of the body
-    under the webhook's secret (GitHub publishes no verification library); the key is
-    ``X-GitHub-Delivery``."""
+    under the webhook's secret (GitHub publishes no verification library).
+
+    The key is ``sha256:`` and the hex SHA-256 of the body, what the signature covers:
+    ``X-GitHub-Delivery`` is not signed, so a delivery's body and signature re-sent
+    under another delivery id would otherwise run again, and take the genuine
+    delivery's id from it. GitHub's redeliveries resend the same body, so they replay;
+    two deliveries with byte-identical bodies are one delivery. The route's body limit
+    defaults to GitHub's 25 MB.
+    """
     key = secret.encode()
 
     def verify(headers: dict[str, str], body: bytes) -> None:
@@ -130,13 +154,17 @@ def github(secret: str, *, sender: str = "github") -> DeliveryKey:
         if not hmac.compare_digest(sent.encode(), expected.encode()):
             raise InvalidSignature(_BAD_SIGNATURE.format(sender="GitHub"))
 
-    return DeliveryKey(sender, lambda headers, _body: headers.get("x-github-delivery"), verify)
+    def body_digest(_headers: dict[str, str], body: bytes) -> str:
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+
+    return DeliveryKey(sender, body_digest, verify, max_body_bytes=_GITHUB_MAX_BODY)
 
 
 def standard_webhooks(secret: str, *, sender: str = "webhooks") -> DeliveryKey:
     """A Standard Webhooks sender (Svix, OpenAI, Twilio Segment, ...): ``webhook-id``,
     ``webhook-timestamp`` and ``webhook-signature`` checked by the ``standardwebhooks``
-    package (its timestamp tolerance included); the key is ``webhook-id``.
+    package (its timestamp tolerance included); the key is ``webhook-id``, which the
+    signature covers (it signs ``{webhook-id}.{webhook-timestamp}.{body}``).
 
     Raises:
         ImportError: the ``webhooks`` extra is not installed.
@@ -158,8 +186,8 @@ def standard_webhooks(secret: str, *, sender: str = "webhooks") -> DeliveryKey:
 
 def stripe(secret: str, *, tolerance: int = 300, sender: str = "stripe") -> DeliveryKey:
     """Stripe: ``Stripe-Signature`` checked by the ``stripe`` package, within ``tolerance``
-    seconds of its timestamp; the key is the event's ``id`` (``evt_...``), which Stripe
-    keeps across its retries of one event.
+    seconds of its timestamp; the key is the event's ``id`` (``evt_...``), inside the
+    signed body, which Stripe keeps across its retries of one event.
 
     Raises:
         ImportError: the ``stripe`` extra is not installed.
@@ -170,10 +198,18 @@ def stripe(secret: str, *, tolerance: int = 300, sender: str = "stripe") -> Deli
         raise missing_extra(__name__, "stripe", "stripe") from exc
 
     def verify(headers: dict[str, str], body: bytes) -> None:
+        header = headers.get("stripe-signature")
+        # Stripe signs the body as UTF-8 text and its signatures are hex: a body that is
+        # not UTF-8 or a header that is not ASCII was not signed by Stripe, and the
+        # package would raise UnicodeDecodeError or TypeError on them, not its own error.
         try:
-            stripe_sdk.WebhookSignature.verify_header(
-                body, headers.get("stripe-signature"), secret, tolerance
-            )
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidSignature(_BAD_SIGNATURE.format(sender="Stripe")) from None
+        if header is not None and not header.isascii():
+            raise InvalidSignature(_BAD_SIGNATURE.format(sender="Stripe"))
+        try:
+            stripe_sdk.WebhookSignature.verify_header(text, header, secret, tolerance)
         except stripe_sdk.SignatureVerificationError:
             raise InvalidSignature(_BAD_SIGNATURE.format(sender="Stripe")) from None
 

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
+from asgi_idempotency.principals import ANONYMOUS
 
 
 @dataclass
@@ -101,6 +102,7 @@ def guarded_app(
             Middleware(
                 IdempotencyMiddleware,
                 store=backend,
+                principal=ANONYMOUS,
                 policies={"POST /refunds": Policy(required=True)},
             )
         ],

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
 from asgi_idempotency import IdempotencyMiddleware, Policy
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 
 Hook = Callable[[], Awaitable[None]]
@@ -89,7 +90,12 @@ def refund_app(
             Route("/health", health, methods=["GET"]),
         ],
         middleware=[
-            Middleware(IdempotencyMiddleware, store=store, policies=policies, **middleware)
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                policies=policies,
+                **{"principal": ANONYMOUS, **middleware},
+            )
         ],
     )
     return RefundApp(app, calls, started, gate, finished)

@@ -32,6 +32,12 @@ class TcpProxy:
     - ``stall``: connections stay open but nothing is forwarded either way, and new
       ones are accepted and never answered (the database hangs).
 
+    :meth:`lose_next_answer`: the next request a client sends (on any connection) is
+    forwarded and runs, and nothing the server sends on that connection afterwards
+    reaches the client (``answers_lost`` counts what was swallowed): the test then
+    breaks the connection for real (``KILL``, ``CLIENT KILL``), after the statement
+    landed and before its client heard so.
+
     ``round_trips`` counts client turns on the wire: data from the client after the
     server last spoke (or first on a connection). One prepared statement already
     cached on its connection is one turn, whatever the code above the driver does.
@@ -42,6 +48,8 @@ class TcpProxy:
         self.mode = "forward"
         self.accepted = 0
         self.round_trips = 0
+        self.answers_lost = 0
+        self._lose_next = False
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop = asyncio.new_event_loop()
@@ -75,9 +83,10 @@ class TcpProxy:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
             self._writers.add(up_writer)
             turn = ["server"]  # whose data went through last, on this connection
+            lost = [False]  # whether the server's answers on it go nowhere
             await asyncio.gather(
-                self._pipe(reader, up_writer, turn, "client"),
-                self._pipe(up_reader, writer, turn, "server"),
+                self._pipe(reader, up_writer, turn, "client", lost),
+                self._pipe(up_reader, writer, turn, "server", lost),
             )
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -94,11 +103,17 @@ class TcpProxy:
         writer: asyncio.StreamWriter,
         turn: list[str],
         side: str,
+        lost: list[bool],
     ) -> None:
         try:
             while data := await reader.read(65536):
                 if self.mode != "forward":
                     continue  # stalled: swallow, never deliver
+                if side == "client" and self._lose_next:
+                    self._lose_next, lost[0] = False, True
+                elif side == "server" and lost[0]:
+                    self.answers_lost += 1
+                    continue
                 if side == "client" and turn[0] != "client":
                     self.round_trips += 1
                 turn[0] = side
@@ -121,6 +136,10 @@ class TcpProxy:
     def stall(self) -> None:
         """The database hangs: connections stay open and nothing comes back."""
         self.mode = "stall"
+
+    def lose_next_answer(self) -> None:
+        """Swallow every answer to the next request a client sends (see the class)."""
+        self._lose_next = True
 
     def restore(self) -> None:
         """The database is back. Stalled connections carry half-delivered traffic: reset them."""

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
+from asgi_idempotency.asgi import Scope
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.stores.schema import records
@@ -62,6 +63,12 @@ class BearerBackend(AuthenticationBackend):
         if not auth.startswith("Bearer "):
             return None
         return AuthCredentials(["authenticated"]), SimpleUser(auth.removeprefix("Bearer "))
+
+
+def _user_or_anonymous(scope: Scope) -> str:
+    """The authenticated user's identity; a request without credentials is anonymous."""
+    user = scope["user"]
+    return str(user.identity) if user.is_authenticated else ""
 
 
 class Hostile:
@@ -91,6 +98,7 @@ class Hostile:
                 Middleware(
                     IdempotencyMiddleware,
                     store=store,
+                    principal=_user_or_anonymous,
                     policies={"POST /echo": Policy(required=True, max_body_bytes=LIMIT)},
                 ),
             ],

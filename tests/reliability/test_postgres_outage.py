@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
+import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from asgi_idempotency import SQLStore
+from asgi_idempotency import Once, SQLStore
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import RecordStatus
 
 from .apps import refund_app
@@ -181,5 +183,74 @@ async def test_store_down_past_the_completion_retries_leaves_the_key_as_a_crash_
         assert t.calls["refund"] == 2
         rows = await probe.records()
         assert [(r.status, r.response_status) for r in rows] == [(RecordStatus.COMPLETED, 201)]
+    finally:
+        await close_bounded(store, pg_proxy)
+
+
+# A store away for seconds after the effect, well within the lease: the completion is
+# tried for the lease's life, not only for its first few seconds.
+OUTAGE = 5.0
+LONG_LEASE = 30.0
+
+
+async def _completed(probe: Probe) -> bool:
+    rows = await probe.records()
+    return bool(rows) and rows[0].status == RecordStatus.COMPLETED
+
+
+async def test_an_outage_of_seconds_after_the_effect_completes_the_record_when_the_store_returns(
+    pg_url: str, pg_proxy: TcpProxy, probe: Probe
+) -> None:
+    store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
+
+    async def cut_after_effect() -> None:
+        if len(t.finished) == 1:
+            pg_proxy.cut()
+
+    t = refund_app(store, lease=LONG_LEASE, after_handler=cut_after_effect, principal=ANONYMOUS)
+    body = {"amount": 7}
+    try:
+        async with asyncio.timeout(60), t.client() as c:  # bounded: a hang fails
+            first = await c.post("/refunds", json=body, headers=_key("k"))
+            assert first.status_code == 201
+            await asyncio.sleep(OUTAGE)
+            rows = await probe.records()  # the probe reads Postgres directly, not via the proxy
+            assert [(r.status, r.response_status) for r in rows] == [
+                (RecordStatus.IN_PROGRESS, None)
+            ]
+            pg_proxy.restore()
+            await probe.wait_for("the completion", lambda: _completed(probe), within=10)
+            retry = await c.post("/refunds", json=body, headers=_key("k"))
+        assert retry.status_code == 201
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert retry.json() == first.json()
+        assert t.calls["refund"] == 1
+    finally:
+        await close_bounded(store, pg_proxy)
+
+
+async def test_once_completes_after_an_outage_of_seconds_after_the_call(
+    pg_url: str, pg_proxy: TcpProxy, probe: Probe
+) -> None:
+    store = SQLStore(pg_proxy.url_for(pg_url), command_timeout=2)
+    once = Once(store, lease=timedelta(seconds=LONG_LEASE))
+    ran: list[str] = []
+
+    async def refund(amount: int) -> dict[str, object]:
+        ran.append(uuid.uuid4().hex)
+        if len(ran) == 1:
+            pg_proxy.cut()  # after the effect, before the completion
+        return {"refund_id": ran[-1], "amount": amount}
+
+    try:
+        async with asyncio.timeout(60):  # bounded: a hang fails
+            first = await once.call("k", refund, 7)
+            await asyncio.sleep(OUTAGE)
+            assert [r.status for r in await probe.records()] == [RecordStatus.IN_PROGRESS]
+            pg_proxy.restore()
+            await probe.wait_for("the completion", lambda: _completed(probe), within=10)
+            again = await once.call("k", refund, 7)
+        assert again == first
+        assert len(ran) == 1
     finally:
         await close_bounded(store, pg_proxy)

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
 from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim, Record, Store
 from tests.conftest import NO_POSTGRES, _pg_ctl
 
@@ -50,7 +51,12 @@ def _app(store: Store, calls: list[int]) -> Starlette:
     return Starlette(
         routes=[Route("/pay", pay, methods=["POST"])],
         middleware=[
-            Middleware(IdempotencyMiddleware, store=store, policies={"POST /pay": Policy()})
+            Middleware(
+                IdempotencyMiddleware,
+                store=store,
+                principal=ANONYMOUS,
+                policies={"POST /pay": Policy()},
+            )
         ],
     )
 

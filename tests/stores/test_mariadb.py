@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+import httpx
 import pytest
 from sqlalchemy import text
 
 from asgi_idempotency import SQLStore, StoredResponse, cli, lifecycle
 from asgi_idempotency.errors import SchemaMissing, StoreError
 from asgi_idempotency.lifecycle import ClaimOutcome
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim
 from asgi_idempotency.stores.mysql import MySQLDriver
 from tests.conftest import MariaDBServer, TinyFactory, emptied
@@ -377,19 +379,57 @@ async def test_a_server_that_hangs_is_a_store_error_within_command_timeout_and_a
         proxy.close()
 
 
-async def test_a_killed_connection_fails_one_statement_then_the_store_reconnects(
-    mstore: SQLStore,
-) -> None:
+async def test_a_connection_killed_while_idle_costs_no_statement(mstore: SQLStore) -> None:
     assert await _claim_new(mstore, "a" * 64) is ClaimOutcome.CLAIMED
     idle = cast(MySQLDriver, mstore._driver)._idle  # the hot path's kept connection
     assert len(idle) == 1
     thread_id = int(cast(Any, idle[0].driver_connection).thread_id())
     async with mstore.engine.connect() as admin:
         await admin.execute(text(f"KILL CONNECTION {thread_id}"))
-    with pytest.raises(StoreError):
-        await _claim_new(mstore, "b" * 64)
+    # The claim meets the dead connection, which is dropped; it is sent once more on
+    # a new one (a claim may run twice: it recognises its own row).
+    assert await _claim_new(mstore, "b" * 64) is ClaimOutcome.CLAIMED
     assert await _claim_new(mstore, "c" * 64) is ClaimOutcome.CLAIMED
-    assert await mstore.get("b" * 64) is None  # the failed claim wrote nothing
+
+
+async def test_a_connection_killed_after_the_claim_committed_costs_no_answer(
+    mariadb_server: MariaDBServer, mariadb_url: str, tiny: TinyFactory
+) -> None:
+    """The claim ran and committed, its answer never reached the store, and the
+    connection was then ``KILL``ed: the claim is sent again on a new connection, meets
+    its own row and is answered as claimed (as on Postgres), not 503 then 409 for a
+    lease. The proxy only holds the answer back; the KILL is the server's own."""
+    proxy = TcpProxy(mariadb_server.host, mariadb_server.port)
+    try:
+        async with emptied(SQLStore(proxy.url_for(mariadb_url))) as store:
+            app = tiny(store, principal=ANONYMOUS)
+            async with app.client() as client:
+
+                async def pay(key: str) -> httpx.Response:
+                    return await client.post("/pay", json={}, headers={"Idempotency-Key": key})
+
+                assert (await pay("warm")).status_code == 201  # connected, prepared
+                idle = cast(MySQLDriver, store._driver)._idle
+                assert len(idle) == 1  # the connection the next claim runs on
+                thread_id = int(cast(Any, idle[0].driver_connection).thread_id())
+                proxy.lose_next_answer()
+                request = asyncio.ensure_future(pay("k"))
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while not proxy.answers_lost:  # the server answered: the claim committed
+                    assert loop.time() < deadline, "the claim never reached the server"
+                    await asyncio.sleep(0.01)
+                async with store.engine.connect() as admin:
+                    await admin.execute(text(f"KILL CONNECTION {thread_id}"))
+                first = await request
+                assert first.status_code == 201
+                replay = await pay("k")
+        assert replay.status_code == 201
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.json() == first.json()
+        assert app.calls["pay"] == 2  # warm, and k once
+    finally:
+        proxy.close()
 
 
 async def test_the_hot_path_bounds_its_operations_and_core_keeps_the_read_timeout(
@@ -420,7 +460,9 @@ def test_a_transactional_policy_is_refused_at_construction_naming_the_dialect(
 
     store = SQLStore(mariadb_url)  # never used: nothing to close on a loop
     with pytest.raises(ValueError, match="needs SQLStore on Postgres") as caught:
-        IdempotencyMiddleware(app, store=store, policies={"POST /x": Policy(transactional=True)})
+        IdempotencyMiddleware(
+            app, store=store, principal=ANONYMOUS, policies={"POST /x": Policy(transactional=True)}
+        )
     assert "SQLStore on mariadb does not hold the claim" in str(caught.value)
 
 

@@ -25,10 +25,13 @@ from redis.asyncio.cluster import RedisCluster
 
 from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
 from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Capabilities, NewClaim, RecordStatus, Store, capabilities
 from asgi_idempotency.stores.redis import REDIS_ERRORS, RedisStore
+from tests.conftest import TinyFactory
 from tests.redis_servers import RedisCluster as OurCluster
 from tests.redis_servers import RedisServer, redis_cli, start_cluster, start_server
+from tests.reliability.support import TcpProxy
 from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
@@ -205,8 +208,9 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
 
     The claim scripts recognise their own token (unique to one claim), so a resent
     claim is still the caller's claim, not a 409 against itself, and a resent swap
-    still succeeded. A completion answers as every store does: only an in-progress row
-    completes, so a second completion answers False (the contract's
+    still succeeded, and a resent completion (the row completed under its token with
+    the very response it sends) answers True, never a lost claim. A completion with
+    another response still answers False and changes nothing (the contract's
     test_completing_a_completed_row_answers_false_and_changes_nothing).
     """
     now = datetime.now(UTC)
@@ -221,7 +225,9 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
     assert await rstore.replace(current, taker)
     assert await rstore.replace(current, taker)  # the resend
     assert await rstore.complete("d" * 64, "t2", RESPONSE, now=later, ttl=ttl)
-    assert not await rstore.complete("d" * 64, "t2", RESPONSE, now=later, ttl=ttl)
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, now=later, ttl=ttl)  # the resend
+    other = StoredResponse(500, (), b"other")
+    assert not await rstore.complete("d" * 64, "t2", other, now=later, ttl=ttl)
     # A stranger's token still gets nothing, whatever the state.
     assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, timedelta(0), ttl))
     assert not await rstore.complete("d" * 64, "t1", RESPONSE, now=later, ttl=ttl)
@@ -715,3 +721,48 @@ async def test_the_row_in_a_claims_way_comes_back_byte_for_byte(rstore: RedisSto
     assert again is not None
     assert again.response == empty
     assert again._replace(read_at=None) == await rstore.get("8" * 64)
+
+
+async def test_a_completion_resent_after_a_client_kill_is_no_lost_claim(
+    redis_url: str, tiny: TinyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completion ran on the server, its reply was lost, and the connection was then
+    ``CLIENT KILL``ed: redis-py sends it again on a new connection, which meets the row
+    completed under its own token with its own response. That is the completion
+    succeeding, not ``idempotency.claim_lost`` at ERROR. The proxy only holds the reply
+    back; the kill is the server's own."""
+    server = urlsplit(redis_url)
+    assert server.hostname is not None
+    assert server.port is not None
+    proxy = TcpProxy(server.hostname, server.port)
+    store = RedisStore(f"redis://127.0.0.1:{proxy.port}/0")
+    try:
+        await store.client.flushall()
+        app = tiny(store, principal=ANONYMOUS)
+        body = {"wait": True}
+        headers = {"Idempotency-Key": "k"}
+        with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
+            async with app.client() as client:
+                warm = await client.post("/pay", json={}, headers={"Idempotency-Key": "warm"})
+                assert warm.status_code == 201  # connected, scripts loaded
+                request = asyncio.ensure_future(client.post("/pay", json=body, headers=headers))
+                await app.entered.wait()  # claimed; the next command is the completion
+                proxy.lose_next_answer()
+                app.gate.set()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 10
+                while not proxy.answers_lost:  # the server answered: the completion landed
+                    assert loop.time() < deadline, "the completion never reached the server"
+                    await asyncio.sleep(0.01)
+                redis_cli(server.port, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+                first = await request
+                replay = await client.post("/pay", json=body, headers=headers)
+    finally:
+        await store.close()
+        proxy.close()
+    assert first.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json() == first.json()
+    assert app.calls["pay"] == 2  # warm, and k once
+    events = [r.__dict__.get("event") for r in caplog.records]
+    assert "idempotency.claim_lost" not in events

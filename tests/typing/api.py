@@ -30,6 +30,8 @@ from starlette.types import Scope
 
 from asgi_idempotency import (
     BUSY,
+    AppNotStarted,
+    AttemptsUnknown,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -37,17 +39,21 @@ from asgi_idempotency import (
     Claim,
     ClaimOutcome,
     FanOutMetrics,
+    GuardMisconfigured,
     IdempotencyError,
     IdempotencyMiddleware,
     InMemoryMetrics,
     InProgress,
+    InvalidHost,
     InvalidKey,
     InvalidSignature,
     KeyMismatch,
     KeyReused,
     MemoryStore,
     MetricsSnapshot,
+    MiddlewareMisplaced,
     MissingKey,
+    MissingMessageId,
     NewClaim,
     Once,
     OnceError,
@@ -169,13 +175,15 @@ def app(store: Store, metrics: InMemoryMetrics) -> Starlette:
             Middleware(
                 IdempotencyMiddleware,
                 store=store,
+                principal=ANONYMOUS,
                 policies={"POST /refunds": Policy(required=True)},
                 metrics=metrics,
             ),
             Middleware(PruningMiddleware, store=store, interval=300.0),
         ],
     )
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)
+    app.add_middleware(IdempotencyMiddleware, store=store)  # type: ignore[call-arg]  # principal=
     Middleware(IdempotencyMiddleware, stor=store)  # type: ignore[call-arg]  # misspelt
     return app
 
@@ -201,10 +209,16 @@ def middleware(store: Store) -> IdempotencyMiddleware:
     IdempotencyMiddleware(inner, store=store, principal=from_session("user_id"))
     IdempotencyMiddleware(inner, store=store, principal=from_user(identity=str))
     IdempotencyMiddleware(inner, store=store, principal=from_dependency(lambda: "alice"))
+    IdempotencyMiddleware(
+        inner, store=store, principal=from_dependency(lambda: "alice", identity="username")
+    )
+    IdempotencyMiddleware(inner, store=store, principal=from_user(identity="username"))
+    from_user(identity=3)  # type: ignore[arg-type]  # a function or an attribute name
     from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required
     IdempotencyMiddleware(inner, store)  # type: ignore[call-arg]  # the store by keyword
-    IdempotencyMiddleware(inner, store=store, retry_after=timedelta(seconds=1))  # type: ignore[arg-type]  # seconds
+    IdempotencyMiddleware(inner, store=store)  # type: ignore[call-arg]  # principal= is required
+    IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, retry_after=timedelta(seconds=1))  # type: ignore[arg-type]  # seconds
     assert_type(guard.snapshot(), MetricsSnapshot)
     return guard
 
@@ -269,6 +283,8 @@ async def transaction(store: TransactionalStore, new: NewClaim, done: StoredResp
             tx_: StoreTransaction = tx
             await tx_.insert(new)
             await tx_.commit(new.key, new.token, done, now=NOW, ttl=timedelta(days=1))
+        async with store.transaction() as tx:
+            await tx.commit_writes()  # the handler's writes alone (report-only mode)
 
 
 def lifecycle(claim: Claim) -> RecordState | None:
@@ -324,6 +340,9 @@ async def function_guard(store: Store) -> int:
     except KeyReused as exc:
         reused: OnceError = exc
         raise reused from None
+    except (MissingMessageId, AttemptsUnknown) as exc:  # the broker presets' refusals
+        refused: OnceError = exc
+        raise refused from None
 
 
 # --- errors --------------------------------------------------------------------
@@ -333,15 +352,20 @@ def errors(exc: Exception) -> int | None:
     tree: list[type[IdempotencyError]] = [
         MissingKey,
         InvalidKey,
+        InvalidHost,
         BodyTooLarge,
         KeyMismatch,
         RequestInProgress,
         StoreUnavailable,
         PrincipalMissing,
         PrincipalMisconfigured,
+        GuardMisconfigured,
+        MiddlewareMisplaced,
+        AppNotStarted,
         ResponseNotKept,
         InvalidSignature,
     ]
+    misplaced: GuardMisconfigured = MiddlewareMisplaced("GZipMiddleware is inside the guard")
     infrastructure: list[type[StoreError]] = [StoreError, SchemaMissing]
     missing: StoreError = SchemaMissing("no idempotency_records: run asgi-idempotency migrate")
     unavailable: Exception = StoreError.wrap(exc)
@@ -357,6 +381,7 @@ def errors(exc: Exception) -> int | None:
         assert_type(exc.headers(), list[tuple[bytes, bytes]])
         return exc.status
     del tree, infrastructure, unavailable, not_an_answer, answer, in_progress, bad_json, missing
+    del misplaced
     return None
 
 
@@ -454,3 +479,15 @@ def ledger_errors(entry: LedgerEntry, attempts: tuple[AttemptRecord, ...]) -> li
         return [LedgerConflict(entry), OutcomeUnknown(entry.key, attempts)]
     LedgerConflict(entry.key)  # type: ignore[arg-type]  # the entry as read
     return []
+
+
+async def conformance(app: Starlette) -> list[str]:
+    from asgi_idempotency.testing import CheckReport, Outcome, assert_conforms, check_app
+
+    report: CheckReport = await check_app(
+        app, "/refunds", json={"amount": 1}, headers={"X-API-Key": "a"}, storm=4
+    )
+    assert_type(report.result("replay").outcome, Outcome)
+    await assert_conforms(app, "/refunds", other_caller_headers=[("X-API-Key", "b")])
+    await check_app(app, "/refunds", storm="4")  # type: ignore[arg-type]  # a number
+    return report.failed

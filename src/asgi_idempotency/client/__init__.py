@@ -7,21 +7,9 @@
     async with httpx.AsyncClient(transport=transport, timeout=10) as http:
         response = await http.post(url, json=args, headers={"Idempotency-Key": key})
 
-Errors::
-
-    httpx.TransportError
-     └─ RetriesExhausted      the transport still wanted to retry; lists every attempt
-    canonical.CanonicalJSONError (ValueError)   a value with no canonical JSON form
-    LedgerError               the outbound ledger's database failed
-     ├─ LedgerConflict        another run owns the key, or its outcome is unknown
-     └─ OutcomeUnknown        ambiguous failure and read-back found nothing
-
-Only :func:`derive_key` and :func:`canonical_json` are imported eagerly (they need
-orjson alone). The retry and transport names load httpx and stamina on first use,
-the ledger names sqlalchemy, so ``import asgi_idempotency.client`` works without
-the server's dependencies (starlette, sqlalchemy) or the client extra. Without the
-extra, the first use of a name that needs it raises :class:`ImportError` saying
-``pip install 'asgi-idempotency[client]'``.
+Only :func:`derive_key` and :func:`canonical_json` are imported eagerly (orjson alone);
+the other names load httpx, stamina or sqlalchemy on first use, and without the
+``client`` extra raise :class:`ImportError` naming it. Errors and usage: docs/client.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """An outbound ledger for calling services that have no idempotency support.
 
-When the downstream ignores ``Idempotency-Key``, the caller has to remember what
-it already did. :class:`OutboundLedger` keeps one row per logical call, keyed by
-the same derived key, in a table of its own::
-
-    claim   INSERT (key, 'pending')      a second worker on the same key loses here
-    call    await call()
-      ok         -> 'succeeded' + result      later runs get the result, no call
-      refused    -> 'failed'                  nothing happened; a later run may claim again
-      ambiguous  -> read_back()               "is the refund there?"
-                    found     -> 'succeeded' + what it found
-                    not found -> retry (budget permitting), else 'unknown'
-
-The read-back narrows the window but cannot close it: a request that is still in
-flight at the service when the read-back runs may land after it, and the retry
-then duplicates it. ``settle`` (seconds to wait before reading back) trades
-latency for a narrower window.
-
-SQLAlchemy Core on an async engine the caller owns (``postgresql+asyncpg`` or
-``sqlite+aiosqlite``); one code path for both. Importing this module needs
-sqlalchemy; importing :mod:`asgi_idempotency.client` does not.
+:class:`OutboundLedger` keeps one row per logical call, keyed by the same derived key,
+in a table of its own: claim, call, then record the result; an ambiguous failure is
+settled by the caller's ``read_back()``, which narrows the window of a duplicate but
+cannot close it. SQLAlchemy Core on an async engine the caller owns
+(``postgresql+asyncpg`` or ``sqlite+aiosqlite``). Importing this module needs
+sqlalchemy; importing :mod:`asgi_idempotency.client` does not. Details: docs/client.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """When may a failed call be sent again? A pure classification, plus the retry budget.
 
 :func:`retryable` looks at one outcome (an exception or an :class:`httpx.Response`)
-and answers with a :class:`Decision`. It never sleeps and never sends; the loop
-that acts on it is stamina's (see :mod:`asgi_idempotency.client.transport`)::
-
-    try:
-        response = client.post(url, json=args, headers={"Idempotency-Key": key})
-    except httpx.HTTPError as exc:
-        decision = retryable(exc)  # has a key? read from exc.request: header or method
-
-The one question that matters is whether the server may already have acted::
-
-    outcome                                     server may have acted   retried
-    ConnectError, ConnectTimeout, PoolTimeout   no                      always
-    408, 425, 429                               no (it said so)         always
-    ReadTimeout, WriteTimeout, ReadError,       maybe                   only with a key
-      WriteError, RemoteProtocolError,
-      builtin TimeoutError, 502, 503, 504
-    409 (idempotency-aware server)              running right now       only with a key
-    other 4xx, 500, 501, 505+                   answered / a bug        never
-    any other exception                         unknown                 never
-
-``delay`` comes from ``Retry-After`` (delta-seconds or HTTP-date) where the server
-sends one on a retried response; otherwise the exponential backoff applies.
+and answers with a :class:`Decision`: retried always when the server cannot have
+acted (connect errors, 408, 425, 429), only under an ``Idempotency-Key`` when it may
+have (timeouts and read errors, 409, 502, 503, 504), never otherwise. It never sleeps
+and never sends; the loop that acts on it is stamina's (:mod:`.transport`). The full
+table: docs/client.md.
 """
 
 from __future__ import annotations

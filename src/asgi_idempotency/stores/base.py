@@ -290,6 +290,15 @@ class StoreTransaction(Protocol):
         """
         ...
 
+    async def commit_writes(self) -> None:
+        """Flush the handler's writes and commit them alone, with no record: report-only
+        mode runs the handler of a request whose key's record is another request's.
+
+        Raises:
+            StoreError: the store failed; nothing is committed.
+        """
+        ...
+
 
 @runtime_checkable
 class TransactionalStore(Store, Protocol):

@@ -46,7 +46,7 @@ from sqlalchemy.util import greenlet_spawn
 from ..errors import StoreError
 from .codec import mysql_time
 from .dialect import HotPath, HotPathOptions, SQLDialect, pool_options
-from .postgres import PostgresDriver
+from .postgres import LANDED, PostgresDriver, own_claim
 from .schema import create_tables, records
 from .sqlerrors import MYSQL_ERRORS
 from .statements import MYSQL, MYSQL_CLOCK
@@ -133,7 +133,7 @@ class MySQLDriver(PostgresDriver):
             # Once per connection: every hot-path statement then commits by itself.
             if not driver.get_autocommit():
                 await driver.autocommit(True)
-            # Bounded by _run_mysql instead (see the module's docstring). Never back
+            # Bounded by _run instead (see the module's docstring). Never back
             # in SQLAlchemy's pool (_close_soon), so its Core work keeps the backstop.
             if getattr(driver, "_read_timeout", None) is not None:
                 driver._read_timeout = None
@@ -154,9 +154,7 @@ class MySQLDriver(PostgresDriver):
             fairy.invalidate()  # autocommit is on: never back into the pool as it is
         super()._close_soon(fairy)
 
-    async def _run_mysql(
-        self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]
-    ) -> T:
+    async def _run(self, op: Callable[[Callable[[str], Awaitable[_Prepared]]], Awaitable[T]]) -> T:
         fairy = await self._checkout()
         driver = _driver(fairy)
         held = fairy.info.get(_PREPARED)
@@ -188,9 +186,8 @@ class MySQLDriver(PostgresDriver):
             else:
                 self._checkin(fairy)
             if expired:
-                raise StoreError(
-                    f"TimeoutError: no answer from the server within {bound:g}s"
-                ) from exc
+                timeout = _timeout(bound, exc)
+                raise StoreError(f"TimeoutError: {timeout}") from timeout
             raise MYSQL_ERRORS.translate(exc) from exc
         except BaseException as exc:
             # Cancelled mid-statement: the protocol stream is out of step; drop it.
@@ -198,9 +195,8 @@ class MySQLDriver(PostgresDriver):
             self._close_soon(fairy)
             self._release_slot()
             if expired and isinstance(exc, Exception):  # asyncmy, on a connection closed
-                raise StoreError(
-                    f"TimeoutError: no answer from the server within {bound:g}s"
-                ) from exc
+                timeout = _timeout(bound, exc)
+                raise StoreError(f"TimeoutError: {timeout}") from timeout
             raise
         finally:
             timer.cancel()
@@ -216,7 +212,9 @@ class MySQLDriver(PostgresDriver):
         """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible).
 
         Autocommit, so the SELECT reads the latest committed row: one deleted between
-        the two statements reads as None and the store asks again.
+        the two statements reads as None and the store asks again. Sent once more if
+        its connection broke (:meth:`~.postgres.PostgresDriver._send`): a claim whose
+        first attempt committed then meets its own row, answered as inserted.
         """
         _check_claim(values)
         insert_args = MYSQL["claim"].args(values)
@@ -231,7 +229,8 @@ class MySQLDriver(PostgresDriver):
             rows = (await (await prepared("select")).execute(select_args)).rows
             return False, (rows[0] if rows else None)
 
-        return await self._run_mysql(op)
+        inserted, row = await self._send(op)
+        return (True, None) if inserted else own_claim(values, row)
 
     async def rowcount(self, name: str, values: dict[str, Any]) -> int:
         args = MYSQL[name].args(values)
@@ -239,7 +238,15 @@ class MySQLDriver(PostgresDriver):
         async def op(prepared: Callable[[str], Awaitable[_Prepared]]) -> int:
             return int((await (await prepared(name)).execute(args)).affected_rows)
 
-        return await self._run_mysql(op)
+        async def again(prepared: Callable[[str], Awaitable[_Prepared]]) -> int:
+            count = await op(prepared)
+            if count or name not in LANDED:
+                return count
+            select = MYSQL["select"].args({"key": values["where_key"]})
+            rows = (await (await prepared("select")).execute(select)).rows
+            return int(LANDED[name](values, rows[0])) if rows else 0
+
+        return await self._send(op, again)
 
     async def close(self) -> None:
         self._closed = True
@@ -253,6 +260,15 @@ class MySQLDriver(PostgresDriver):
 
 def _driver(fairy: PoolProxiedConnection) -> _Connection:
     return cast(_Connection, fairy.driver_connection)
+
+
+def _timeout(bound: float, exc: BaseException) -> TimeoutError:
+    """The cause of the 503 of an operation the server did not answer in time: a
+    TimeoutError, so that it is not sent again (a second wait would double the
+    client's), over the driver's error that the hang-up caused."""
+    timeout = TimeoutError(f"no answer from the server within {bound:g}s")
+    timeout.__cause__ = exc
+    return timeout
 
 
 def _hang_up(driver: _Connection, expired: list[bool]) -> None:

@@ -29,7 +29,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from ..errors import StoreError
-from .base import BUSY, Busy, NewClaim, Record, StoredResponse
+from .base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
 from .codec import encode_headers, pg_time, to_record
 from .dialect import HotPath, HotPathOptions, SQLDialect, leave_engine, pool_options
 from .queries import prune_by_ctid
@@ -42,7 +42,9 @@ __all__ = [
     "IdempotencyTransaction",
     "PostgresDriver",
     "PostgresTransaction",
+    "claimed_row",
     "open_transaction",
+    "own_claim",
     "statement_timeout_ms",
 ]
 
@@ -203,20 +205,56 @@ class PostgresDriver:
         self._checkin(fairy)
         return result
 
+    async def _send(
+        self, op: Callable[[Any], Awaitable[T]], again: Callable[[Any], Awaitable[T]] | None = None
+    ) -> T:
+        """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
+        if that one broke.
+
+        A connection the server closed while it was idle is skipped at checkout when
+        the driver has read its end, but one can break under a statement (ended a
+        moment before, read out of turn, or cut on the way): then the statement's fate
+        is unknown, and every hot-path statement may run twice. Completions, releases
+        and renewals are fenced by their claim's token (a second run changes nothing a
+        first that landed had not; ``again`` asks whether the first landed where the
+        second's answer would not say so), and a claim that meets its own row is
+        answered as inserted (:func:`own_claim`). A timeout is not sent again: the
+        server was slow, not gone, and a second wait would double the client's.
+        """
+        try:
+            return await self._run(op)
+        except StoreError as exc:
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, TimeoutError) or not self.errors.breaks(cause):
+                raise
+        return await self._run(op if again is None else again)
+
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
         """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible)."""
         args = PG["claim"].args(values)
-        row = await self._run(lambda c: c.fetchrow(PG["claim"].sql, *args))
+        row = await self._send(lambda c: c.fetchrow(PG["claim"].sql, *args))
         assert row is not None  # the LEFT JOIN always yields one row
         if row[1]:
             return True, None
-        return False, (None if row[2] is None else tuple(row)[2:])
+        return own_claim(values, None if row[2] is None else tuple(row)[2:])
 
     async def rowcount(self, name: str, values: dict[str, Any]) -> int:
         stmt = PG[name]
         args = stmt.args(values)
-        status: str = await self._run(lambda c: c.execute(stmt.sql, *args))
-        return int(status.rpartition(" ")[2])  # "UPDATE 1", "DELETE 0"
+        select = PG["select"]
+
+        async def op(c: asyncpg.Connection) -> int:
+            status: str = await c.execute(stmt.sql, *args)
+            return int(status.rpartition(" ")[2])  # "UPDATE 1", "DELETE 0"
+
+        async def again(c: asyncpg.Connection) -> int:
+            count = await op(c)
+            if count or name not in LANDED:
+                return count
+            row = await c.fetchrow(select.sql, *select.args({"key": values["where_key"]}))
+            return int(row is not None and LANDED[name](values, tuple(row)))
+
+        return await self._send(op, again)
 
     async def close(self) -> None:
         self._closed = True
@@ -226,6 +264,69 @@ class PostgresDriver:
             await greenlet_spawn(fairy.close)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+_US = timedelta(microseconds=1)
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+
+
+def claimed_row(values: dict[str, Any], at: datetime) -> tuple[Any, ...]:
+    """The row a claim inserted at the database's time ``at``, as ``RECORD_COLUMNS``
+    and the time it was read at: in progress, no response."""
+    return (
+        values["request_hash"], _IN_PROGRESS, values["token"], at,
+        at + values["lease_us"] * _US, at + values["ttl_us"] * _US, None, None, None, at,
+    )  # fmt: skip
+
+
+def _is_own(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # Exactly what this claim writes: its token, its fingerprint, its lease and its
+    # retention (measured from its created_at: the database's clock wrote them), in
+    # progress with no response (a token alone would not do: the regenerated-key
+    # detector's markers all share one).
+    return bool(
+        row[2] == values["token"]
+        and row[0] == values["request_hash"]
+        and row[1] == _IN_PROGRESS
+        and row[6] is None
+        and (row[4] - row[3]) // _US == values["lease_us"]
+        and (row[5] - row[3]) // _US == values["ttl_us"]
+    )
+
+
+def own_claim(
+    values: dict[str, Any], row: Sequence[Any] | None
+) -> tuple[bool, Sequence[Any] | None]:
+    """The answer for a claim that met ``row``: inserted if it is this claim's own.
+
+    A claim sent twice (its connection broke under the first, which had committed:
+    :meth:`PostgresDriver._send`) meets the row it inserted; anything else is a row in
+    the way (None: not visible).
+    """
+    if row is not None and _is_own(values, row):
+        return True, None
+    return False, row
+
+
+def _completed_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # Completed under this claim's token: only its owner completes with it, so the
+    # first attempt landed. Not a lost claim.
+    return bool(row[2] == values["where_token"] and row[1] == RecordStatus.COMPLETED.value)
+
+
+def _replaced_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # The take-over's first attempt swapped the row for exactly this claim's.
+    return _is_own(values, row)
+
+
+# For a fenced statement sent again that changed nothing: whether the row (read by key)
+# shows that its first attempt landed. A release or renewal sent again answers as its
+# first would have (a renewal matches again, a release finds nothing: its claim is gone
+# either way).
+LANDED: dict[str, Callable[[dict[str, Any], Sequence[Any]], bool]] = {
+    "complete": _completed_by_us,
+    "replace": _replaced_by_us,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +345,9 @@ class PostgresTransaction:
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
     Round trips for a first request: BEGIN, claim (lock included), the handler's own
-    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK. A
-    claim whose statement met a rival's commit asks once more.
+    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK (in
+    report-only mode the handler runs there too, and its writes commit alone). A claim
+    whose statement met a rival's commit asks once more.
     """
 
     __slots__ = ("_conn", "state")
@@ -308,8 +410,10 @@ class PostgresTransaction:
                 raise StoreError("the record is not this transaction's claim; rolled back")
             await self._conn.commit()
 
-
-_US = timedelta(microseconds=1)
+    async def commit_writes(self) -> None:
+        with PG_ERRORS:
+            await self.state.session.flush()
+            await self._conn.commit()
 
 
 def _claim_values(new: NewClaim) -> dict[str, Any]:

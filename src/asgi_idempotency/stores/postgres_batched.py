@@ -63,17 +63,15 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..errors import StoreError
-from .base import BUSY, Busy, RecordStatus
+from .base import BUSY, Busy
 from .batching import Batcher, BatchStats
-from .postgres import PostgresDriver
-from .sqlerrors import PG_ERRORS
+from .postgres import PostgresDriver, claimed_row, own_claim
 from .statements import PG, PG_BATCHED, PG_LONE, Compiled
 
 __all__ = ["LOCK_WAIT", "BatchingPostgresDriver"]
@@ -259,23 +257,9 @@ class BatchingPostgresDriver:
         again: Callable[[asyncpg.Connection], Awaitable[T]] | None = None,
     ) -> T:
         """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
-        if that one broke.
-
-        A connection the server closed while it was idle is skipped at checkout, but
-        one can break under a statement (closed a moment before, or cut on the way):
-        then the statement's fate is unknown, and every statement here may run twice.
-        Completions, releases and renewals are fenced by their claim's token (a second
-        run changes nothing a first that landed had not; a completion's second run
-        also asks which rows its first completed, :func:`_completing`), and a claim
-        that meets its own row (its token) is answered as inserted (:func:`_own`).
-        """
-        try:
-            return await self.inner._run(op)
-        except StoreError as exc:
-            cause = exc.__cause__
-            if cause is None or not PG_ERRORS.breaks(cause):
-                raise
-        return await self.inner._run(op if again is None else again)
+        if that one broke (:meth:`~.postgres.PostgresDriver._send`). A completion batch's
+        second run also asks which rows its first completed (:func:`_completing`)."""
+        return await self.inner._send(op, again)
 
     async def _locked_out(
         self,
@@ -413,7 +397,7 @@ class BatchingPostgresDriver:
             key = values["key"]
             answer = by_key.get(key, _NOT_VISIBLE)
             if answer[0] and first[key] is not values:
-                answer = (False, _claimed_row(first[key], inserted_at[key]))
+                answer = (False, claimed_row(first[key], inserted_at[key]))
             answers.append(answer)
         return answers
 
@@ -527,40 +511,12 @@ def _count(status: str) -> int:
 
 
 def _own(values: dict[str, Any], row: Sequence[Any] | None) -> ClaimAnswer:
-    """The answer for a claim that met ``row``: inserted if it is this claim's own.
-
-    A claim sent twice (its connection broke under the first, which had committed:
-    :meth:`BatchingPostgresDriver._send`) meets the row it inserted. That row is this
-    claim's when it is exactly what this claim writes: its token, its fingerprint and
-    its lease and retention (measured from its ``created_at``: the database's clock
-    wrote them), in progress, with no response (a token alone would not do: the
-    regenerated-key detector's markers all share one). Anything else is a row in the way.
-    """
+    """The answer for a claim that met ``row``: inserted if it is this claim's own
+    (:func:`~.postgres.own_claim`)."""
     if row is None:
         return _NOT_VISIBLE
-    if (
-        row[2] == values["token"]
-        and row[0] == values["request_hash"]
-        and row[1] == _IN_PROGRESS
-        and row[6] is None
-        and (row[4] - row[3]) // _US == values["lease_us"]
-        and (row[5] - row[3]) // _US == values["ttl_us"]
-    ):
-        return _INSERTED
-    return (False, row)
-
-
-_US = timedelta(microseconds=1)
-_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
-
-
-def _claimed_row(values: dict[str, Any], at: Any) -> tuple[Any, ...]:
-    """The row a claim inserted at the database's time ``at``, as ``RECORD_COLUMNS``
-    and the time it was read at: in progress, no response."""
-    return (
-        values["request_hash"], _IN_PROGRESS, values["token"], at,
-        at + values["lease_us"] * _US, at + values["ttl_us"] * _US, None, None, None, at,
-    )  # fmt: skip
+    inserted, _ = own_claim(values, row)
+    return _INSERTED if inserted else (False, row)
 
 
 def _claim_key(values: dict[str, Any]) -> Any:

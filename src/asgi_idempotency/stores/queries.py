@@ -61,8 +61,8 @@ def _prune_by_key_statement(now: Any, batch_size: int) -> Delete:
 
 def _prune_by_ctid_statement(now: Any, batch_size: int) -> Delete:
     # The victims by ctid, not by key. The rows are then deleted where they lie (a TID
-    # scan) instead of each found again through the primary key, which made a batch
-    # about twice as long on a table of millions (bench/results/NOTES.md). Rows a
+    # scan) instead of each found again through the primary key, a probe per row into
+    # a big index (measured in bench/results/NOTES.md). Rows a
     # concurrent claim is taking over are locked by it: skipped, never waited on. The
     # subquery holds its lock on each victim until the delete, which still checks the
     # expiry, so a row renewed in between is not touched.

@@ -157,11 +157,11 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # an earlier attempt of this very call landed and only its answer was lost (redis-py
 # retries a command after a dropped connection): report the write as ours rather
 # than as somebody else's row. This is transport idempotency, not a lifecycle rule.
-# It applies to insert and replace, not to complete: only an in-progress row owned by
-# the token completes, and a completed row answers 0 even to its own token, as the SQL
-# store's update (status = 'in_progress' in its WHERE) does. Every store then gives the
-# lifecycle the same answer, a stored response is never overwritten, and a resent
-# completion whose first attempt landed answers 0.
+# So does a completion: only an in-progress row owned by the token completes, and a
+# stored response is never overwritten; a row already completed under our own token
+# with the very response we send is our first attempt's, and answers 1 (as the SQL
+# stores answer a completion sent again whose first attempt landed), never a lost
+# claim. A completed row with another response answers 0.
 
 # A claim travels as ONE argument, "lease_us ttl_us #h h token"
 # (_claim_args): each argument is a round of redis-py's encoding and packing (several
@@ -240,6 +240,13 @@ _COMPLETE = (
 local rs, ttl_us, t = string.match(ARGV[1], '^(%d+) (%d+) (.*)$')
 local row = redis.call('HMGET', KEYS[1], 't', 's')
 if row[1] ~= t then return 0 end
+if row[2] == 'completed' then
+  local done = redis.call('HMGET', KEYS[1], 'rs', 'rh', 'rb')
+  if done[1] == rs and done[2] == ARGV[2] and done[3] == ARGV[3] then
+    return 1
+  end
+  return 0
+end
 if row[2] ~= 'in_progress' then return 0 end
 local e = string.format('%d', now + tonumber(ttl_us))
 redis.call('HSET', KEYS[1], 's', 'completed', 'rs', rs, 'rh', ARGV[2], 'rb', ARGV[3], 'e', e)
@@ -650,10 +657,7 @@ class RedisStore:
         # One loop pass before the send: the requests that became ready in this pass
         # send their commands together, so redis-server wakes once for several and the
         # replies come back in one poll. Without it each send woke the server on its own
-        # (StreamWriter.writelines was 11% of a replay's app CPU, against 4% with it);
-        # over HTTP at 32 connections fresh keys went from 0.75-0.78x to 0.96-1.02x of
-        # redis-py's defaults, replays from 0.81-0.87x to 0.86-0.91x. Cancelled here,
-        # nothing has been sent.
+        # (measured in docs/performance.md). Cancelled here, nothing has been sent.
         if pause:
             await asyncio.sleep(0)
         try:

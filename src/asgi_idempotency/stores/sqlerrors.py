@@ -128,13 +128,17 @@ class ErrorBoundary:
 
 
 # Failures after which a Postgres connection is not reused, besides asyncpg reporting
-# it closed (the rest are SQL errors on a healthy connection). Not TimeoutError: on
+# it closed (the rest are SQL errors on a healthy connection). InternalClientError is
+# asyncpg's protocol state gone astray: a connection the server ended while it was idle
+# reads its farewell (57P01) out of turn and refuses every later statement with
+# "cannot switch to state N" before it is sent. Not TimeoutError: on
 # command_timeout asyncpg sends a cancel request so that the server abandons the
 # statement; terminating the connection instead would let a claim blocked on a lock
 # commit after the client got its 503, and the retry would meet its own row (409).
 _PG_BROKEN: tuple[type[BaseException], ...] = (
     OSError,
-    asyncpg.InterfaceError,
+    asyncpg.InterfaceError,  # "connection is closed", ConnectionDoesNotExistError
+    asyncpg.InternalClientError,
     asyncpg.PostgresConnectionError,  # SQLSTATE class 08
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.CrashShutdownError,
@@ -143,7 +147,8 @@ _PG_BROKEN: tuple[type[BaseException], ...] = (
 
 
 def _pg_breaks(exc: BaseException) -> bool:
-    return isinstance(exc, _PG_BROKEN) and not isinstance(exc, TimeoutError)
+    driver = _driver_exception(exc)
+    return isinstance(driver, _PG_BROKEN) and not isinstance(driver, TimeoutError)
 
 
 PG_ERRORS = ErrorBoundary(

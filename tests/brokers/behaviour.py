@@ -1,0 +1,51 @@
+"""What a test consumer's handler does, chosen by its environment (shared by the brokers).
+
+``BEHAVE``: ``effect`` (default: records one effect), ``block`` (records ``started``, by
+its process id, and hangs, to be killed), ``block_first`` (as ``block`` on the run's
+first call, as ``effect`` after), ``slow`` (records ``started``, runs on until the process gets
+SIGUSR1, then records its effect), ``fail`` (records an ``attempt`` and raises).
+``CRASH=before_ack``: the consumer SIGKILLs itself where it would acknowledge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from tests.brokers.effects import counted, record
+
+ENV = os.environ
+DB, NAME = ENV["DATABASE_URL"], ENV["NAME"]
+BEHAVE = ENV.get("BEHAVE", "effect")
+CRASH = ENV.get("CRASH", "")
+GO = asyncio.Event()  # set by SIGUSR1: a slow handler's downstream call returns
+
+
+def listen() -> None:
+    """On the running loop: SIGUSR1 lets a slow handler finish."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, GO.set)
+
+
+def crash_before_ack() -> None:
+    """A real SIGKILL of this process, where ``CRASH=before_ack`` asks for one."""
+    if CRASH == "before_ack":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def behave(run: str) -> str:
+    if BEHAVE == "block" or (BEHAVE == "block_first" and "started" not in await counted(DB, run)):
+        await record(DB, run, "started", str(os.getpid()))  # the process to kill
+        await asyncio.Event().wait()  # a slow downstream call: killed meanwhile
+    if BEHAVE == "slow":
+        await record(DB, run, "started", NAME)
+        await GO.wait()
+    if BEHAVE == "fail":
+        await record(DB, run, "attempt", NAME)
+        raise RuntimeError("the downstream refused")
+    await record(DB, run, "effect", NAME)
+    return NAME
+
+
+async def dead_letter(run: str) -> None:
+    await record(DB, run, "exhausted", NAME)
