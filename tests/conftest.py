@@ -15,9 +15,9 @@ import os
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,10 +30,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 
-from asgi_idempotency import MemoryStore, SQLStore, StoredResponse, lifecycle
-from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.base import Store, StoreTransaction, TransactionalStore, utcnow
+from asgi_idempotency.stores.base import Store
+from asgi_idempotency.testing import StoreClock as StoreClock  # where tests import it from
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -414,44 +414,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
         yield opened
 
 
-class StoreClock:
-    """The clock a store decides leases with, for a test that lets a lease or a ttl run out.
-
-    On one host (memory, SQLite) the store takes the caller's ``now``: this clock, moved
-    at will, with leases of ``unit`` = 30 s. A shared store (Postgres, MariaDB, Redis)
-    decides on its own time, which only real time moves: ``unit`` is then one second,
-    and moving the clock is sleeping. Pass it as a middleware's or ``Once``'s ``clock``.
-    """
-
-    def __init__(self, store: Store) -> None:
-        local = isinstance(store, MemoryStore) or (
-            isinstance(store, SQLStore) and store.dialect == "sqlite"
-        )
-        self.shared = not local
-        self.unit = timedelta(seconds=1) if self.shared else timedelta(seconds=30)
-        self.now = utcnow() if self.shared else datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return utcnow() if self.shared else self.now
-
-    @property
-    def cutoff(self) -> datetime | None:
-        """An admin query's ``now``: ``None`` (the store's own time) where it has one."""
-        return None if self.shared else self.now
-
-    async def advance(self, by: timedelta) -> datetime:
-        if self.shared:
-            await asyncio.sleep(by.total_seconds())
-            self.now = utcnow()
-        else:
-            self.now += by
-        return self.now
-
-    async def past(self, span: timedelta) -> datetime:
-        """Move past the end of a ``span`` that began now (by a fifth of a unit)."""
-        return await self.advance(span + self.unit / 5)
-
-
 async def backdate(store: Store, key: str, by: timedelta) -> None:
     """Move a record's times ``by`` into the past, as if written that long ago.
 
@@ -479,80 +441,6 @@ async def backdate(store: Store, key: str, by: timedelta) -> None:
         await store.client.hset(store._key(key), mapping=fields)  # type: ignore[arg-type]  # an invariant Mapping
     else:
         raise TypeError(f"cannot backdate a record of {type(store).__name__}")
-
-
-class Claimant:
-    """Claims made as the middleware makes them: on the store, or in a transaction of it.
-
-    In the transactional mode an owned claim keeps its transaction (and the key's
-    lock) open until :meth:`complete` commits it or :meth:`release` rolls it back.
-    """
-
-    def __init__(self, store: Store, *, transactional: bool) -> None:
-        self.store = store
-        self.transactional = transactional
-        self._held: dict[str, tuple[AsyncExitStack, StoreTransaction]] = {}
-
-    async def claim(
-        self, key: str, request_hash: str, token: str, *, now: datetime,
-        lease: timedelta, ttl: timedelta,
-    ) -> Claim:  # fmt: skip
-        times: dict[str, Any] = {"now": now, "lease": lease, "ttl": ttl}
-        if not self.transactional:
-            return await lifecycle.claim(self.store, key, request_hash, token, **times)
-        assert isinstance(self.store, TransactionalStore)
-        stack = AsyncExitStack()
-        tx = await stack.enter_async_context(self.store.transaction())
-        try:
-            claim = await lifecycle.claim(tx, key, request_hash, token, **times)
-        except BaseException:
-            await stack.aclose()
-            raise
-        if claim.owned:
-            self._held[token] = (stack, tx)
-        else:
-            await stack.aclose()
-        return claim
-
-    async def complete(
-        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
-    ) -> bool:
-        if not self.transactional:
-            return await self.store.complete(key, token, response, now=now, ttl=ttl)
-        stack, tx = self._held.pop(token)
-        async with stack:
-            await tx.commit(key, token, response, now=now, ttl=ttl)
-        return True
-
-    async def release(self, key: str, token: str) -> bool:
-        if not self.transactional:
-            return await self.store.release(key, token)
-        stack, _ = self._held.pop(token)
-        await stack.aclose()  # leaving without commit rolls the claim back
-        return True
-
-    async def close(self) -> None:
-        for stack, _ in self._held.values():
-            await stack.aclose()
-        self._held.clear()
-
-
-CLAIMANT_KINDS = [
-    *STORE_KINDS,
-    pytest.param("postgres-transactional", marks=pytest.mark.postgres),
-]
-
-
-@pytest.fixture(params=CLAIMANT_KINDS)
-async def claimant(request: pytest.FixtureRequest) -> AsyncIterator[Claimant]:
-    """Every store kind claimed the default way, and Postgres claimed in transactions too."""
-    kind: str = request.param
-    async with open_store(request, kind.removesuffix("-transactional")) as opened:
-        claims = Claimant(opened, transactional=kind.endswith("-transactional"))
-        try:
-            yield claims
-        finally:
-            await claims.close()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from asgi_idempotency.stores.base import NewClaim, Record, StoredResponse
+from asgi_idempotency.stores.duplicates import SuspectedDuplicate
 from asgi_idempotency.stores.memory import MemoryStore
 
 # What runs before a primitive: given the store, it may write (as a rival would) or wait.
@@ -57,6 +58,12 @@ class ScriptedStore(MemoryStore):
         await self._enter("renew")
         return await super().renew(key, token, now=now, lease=lease)
 
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        await self._enter("suspected_duplicates")
+        return await super().suspected_duplicates(since=since, window=window, route=route)
+
     def put(self, record: Record) -> None:
         """Write ``record`` as it is (a row another process left)."""
         response = record.response
@@ -68,4 +75,6 @@ class ScriptedStore(MemoryStore):
             record.locked_until,
             record.expires_at,
             None if response is None else (response.status, response.headers, response.body),
+            None,  # no scope digest or route: a row of no HTTP request's, to the audit
+            None,
         )

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from asgi_idempotency import ops
 from asgi_idempotency.metrics import Outcome
 from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.stores.duplicates import SuspectedDuplicate
 from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "src" / "asgi_idempotency" / "ops" / "alerts.yml"
 DASHBOARD = ROOT / "src" / "asgi_idempotency" / "ops" / "dashboard.json"
 RULE_TESTS = ROOT / "tests" / "ops" / "alerts_test.yml"
+NOW = datetime(2026, 12, 5, tzinfo=UTC)
 
 
 def promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -58,7 +61,7 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
 
 def exported() -> tuple[set[str], set[str]]:
     """Sample names and label names of a PrometheusMetrics that has seen every outcome,
-    a timed store operation, a take-over and a suspected regenerated key."""
+    a timed store operation, a take-over, a suspected regenerated key and an audit."""
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry)
     for outcome in Outcome:
@@ -66,6 +69,9 @@ def exported() -> tuple[set[str], set[str]]:
     metrics.observe_store("claim", "SQLStore", 0.002)
     metrics.observe_takeover("/orders/{order_id}")
     metrics.observe_regenerated_key("/orders/{order_id}")
+    metrics.observe_audit(
+        [SuspectedDuplicate("/orders/{order_id}", "s" * 64, "h" * 64, 2, 2, NOW, NOW)]
+    )
     names: set[str] = set()
     labels: set[str] = set()
     for family in text_string_to_metric_families(generate_latest(registry).decode()):

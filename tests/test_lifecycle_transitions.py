@@ -1,8 +1,9 @@
 """Each transition of a record's life, driven through the lifecycle over the fake store.
 
 The fake (tests/scripted_store.py) says what a store answers and when it fails; the
-lifecycle alone decides what that means. tests/stores/test_contract.py holds every
-real store to the fake's answers.
+lifecycle alone decides what that means. The store contract
+(asgi_idempotency.testing.StoreContract, run by tests/stores/test_contract_every_store.py)
+holds every real store to the fake's answers.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from starlette.middleware.sessions import SessionMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Host, Mount, Route
 
 from asgi_idempotency import (
     IdempotencyMiddleware,
@@ -777,7 +777,7 @@ def _mounted(
 ) -> Starlette:
     """An outer guard (ANONYMOUS: a public API) around a Mount with a guard of its own,
     scoped by the ``X-User`` its gateway verifies: in the mounted app's middleware, or in
-    the Mount's own ``middleware=``."""
+    the Mount's own ``middleware=``; or around a Host (billing.example) whose app has it."""
 
     @idempotent(required=True)
     async def refund(request: Request) -> Response:
@@ -791,11 +791,13 @@ def _mounted(
         metrics=effects.inner,
     )
     routes = [Route("/refunds", refund, methods=["POST"])]
-    mount = (
-        Mount("/billing", Starlette(routes=routes, middleware=[inner_guard]))
-        if how == "app"
-        else Mount("/billing", routes=routes, middleware=[inner_guard])
-    )
+    mount: Mount | Host
+    if how == "app":
+        mount = Mount("/billing", Starlette(routes=routes, middleware=[inner_guard]))
+    elif how == "host":
+        mount = Host("billing.example", Starlette(routes=routes, middleware=[inner_guard]))
+    else:
+        mount = Mount("/billing", routes=routes, middleware=[inner_guard])
     return Starlette(
         routes=[mount],
         middleware=[
@@ -850,6 +852,37 @@ async def test_an_outer_policy_for_a_route_a_guarded_mount_serves_is_refused() -
     assert "its own" in message
 
 
+async def test_a_host_s_own_guard_decides_with_its_principal() -> None:
+    effects = Effects()
+    async with served(_mounted(effects, how="host"), "http://billing.example") as c:
+
+        def post(user: str) -> Any:
+            return c.post("/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-User": user})
+
+        alice = await post("alice")
+        bob = await post("bob")
+        again = await post("alice")
+        nobody = await c.post("/refunds", json=BODY, headers={"Idempotency-Key": KEY})
+    assert alice.status_code == bob.status_code == 201, (alice.text, bob.text)
+    # Before: the outer guard decided with ANONYMOUS and Bob received Alice's refund.
+    assert "idempotent-replayed" not in bob.headers
+    assert bob.json() != alice.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    assert nobody.status_code == 401  # the inner principal's answer, not the outer's
+    assert effects.runs == ["alice", "bob"]
+    assert effects.outer.snapshot().total() == 0
+    inner = effects.inner.snapshot()
+    assert inner.total(Outcome.EXECUTED) == 2
+    assert inner.total(Outcome.REPLAYED) == 1
+
+
+async def test_an_outer_policy_for_a_route_a_guarded_host_serves_is_refused() -> None:
+    policies = {"POST /refunds": Policy(required=True)}
+    message = await refuses(_mounted(Effects(), policies, how="host"))
+    assert "Host('billing.example')" in message
+    assert "its own" in message
+
+
 async def test_from_dependency_outside_a_mount_with_its_own_guard_leaves_it_to_that_guard() -> None:
     """The outer FastAPI guard neither claims at the mounted app's routes nor refuses them
     for not using its dependency: the inner guard is theirs."""
@@ -874,6 +907,46 @@ async def test_from_dependency_outside_a_mount_with_its_own_guard_leaves_it_to_t
         for user in ("alice", "bob"):
             r = await c.post(
                 "/billing/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-User": user}
+            )
+            assert r.status_code == 201
+            assert "idempotent-replayed" not in r.headers
+    assert effects.runs == ["alice", "bob"]
+
+
+async def test_from_dependency_outside_a_host_with_its_own_guard_leaves_it_to_that_guard() -> None:
+    """A FastAPI app behind a Host, guarded by its own principal: the outer guard does not
+    refuse its routes for not using the outer dependency, nor claim there."""
+    effects = Effects()
+
+    def current_client(key: Annotated[str, Depends(APIKeyHeader(name="X-API-Key"))]) -> str:
+        if key not in TOKENS:
+            raise HTTPException(401, "bad key")
+        return TOKENS[key]
+
+    billing = FastAPI()
+
+    @billing.post("/refunds", status_code=201)
+    async def refund(request: Request) -> dict[str, int]:
+        effects.runs.append(request.headers["x-user"])
+        return {"refund": len(effects.runs)}
+
+    billing.add_middleware(
+        IdempotencyMiddleware, store=effects.store, principal=from_headers("X-User")
+    )
+    outer = FastAPI()
+
+    @outer.post("/orders", status_code=201)
+    async def order(client: str = Depends(current_client)) -> dict[str, str]:
+        return {"for": client}
+
+    outer.host("billing.example", billing)
+    outer.add_middleware(
+        IdempotencyMiddleware, store=effects.store, principal=from_dependency(current_client)
+    )
+    async with served(outer, "http://billing.example") as c:
+        for user in ("alice", "bob"):
+            r = await c.post(
+                "/refunds", json=BODY, headers={"Idempotency-Key": KEY, "X-User": user}
             )
             assert r.status_code == 201
             assert "idempotent-replayed" not in r.headers

@@ -19,6 +19,8 @@ import pytest
 
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore, idempotent
 from asgi_idempotency.cli import Exit
+from asgi_idempotency.errors import IdempotencyError
+from asgi_idempotency.metrics import Outcome
 from asgi_idempotency.urls import ENV_URL
 from asgi_idempotency.webhooks import github
 from tests.docs_text import docs_text
@@ -152,3 +154,22 @@ def test_the_startup_message_names_the_command_the_readme_names() -> None:
     command = "asgi-idempotency migrate --database-url"
     assert command in README
     assert command in inspect.getsource(sql.SQLStore.prepare)
+
+
+def _answers(cls: type[IdempotencyError]) -> list[type[IdempotencyError]]:
+    return [cls, *(sub for child in cls.__subclasses__() for sub in _answers(child))]
+
+
+def test_the_readme_lists_every_problem_type_the_guard_answers() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"with a stable `type` \(`urn:asgi-idempotency:problem:(.+?)\)", readme)
+    assert match is not None, "the README lists no problem types"
+    documented = re.findall(r"[a-z-]+", match.group(1))
+    slugs = {cls.slug for cls in _answers(IdempotencyError) if cls is not IdempotencyError}
+    assert sorted(documented) == sorted(slugs)
+
+
+def test_the_outcomes_table_lists_every_outcome_and_counts_the_series() -> None:
+    rows = table_after("| outcome | what happened | status |")
+    assert [row[0].strip("`") for row in rows] == [outcome.value for outcome in Outcome]
+    assert f"guarded routes \N{MULTIPLICATION SIGN} {len(Outcome)}." in README

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .retention import Pruner, PruningMiddleware, prune_all
     from .stores.base import (
         BUSY,
+        AuditableStore,
         Bucket,
         Capabilities,
         NewClaim,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
         StoreTransaction,
         TransactionalStore,
     )
+    from .stores.duplicates import SuspectedDuplicate
     from .stores.memory import MemoryStore
     from .stores.redis import RedisStore as RedisStore  # not in __all__: the redis extra
     from .stores.sql import SQLStore
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AppNotStarted",
     "AttemptsUnknown",
+    "AuditableStore",
     "BUSY",
     "BodyTooLarge",
     "Bucket",
@@ -117,6 +120,7 @@ __all__ = [
     "StoreTransaction",
     "StoreUnavailable",
     "StoredResponse",
+    "SuspectedDuplicate",
     "TransactionalStore",
     "__version__",
     "canonical_json",
@@ -165,6 +169,8 @@ _WHERE = {
     "ClaimOutcome": ".lifecycle",
     "RecordState": ".lifecycle",
     "BUSY": ".stores.base",
+    "AuditableStore": ".stores.base",
+    "SuspectedDuplicate": ".stores.duplicates",
     "Bucket": ".stores.base",
     "Capabilities": ".stores.base",
     "NewClaim": ".stores.base",

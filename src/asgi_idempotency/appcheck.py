@@ -23,16 +23,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.routing import Host, Mount
+from starlette.routing import Mount
 
 from .errors import GuardMisconfigured, MiddlewareMisplaced, PrincipalMisconfigured
 from .policy import (
     Policy,
     ResolvedRoute,
-    carries_guard,
+    decided_by_own_guard,
     expand_routes,
     mount_level_guard,
-    mounted_app,
+    sub_app_prefix,
+    sub_app_route,
 )
 from .principals import DependencyPrincipal, _FromSession, _FromUser
 
@@ -102,38 +103,61 @@ def _names(nodes: Iterable[Any]) -> list[str]:
     return [type(n).__name__ for n in nodes]
 
 
-def _templates(app: Any, guard: object) -> tuple[dict[str, set[str]], list[str], list[str]]:
-    """Every route template the app's router serves, with its methods ("*" for any); the
-    paths of Mounts whose app has a guard other than ``guard``; and of Mounts with a
-    guard in their own ``middleware=``."""
+@dataclass(frozen=True, slots=True)
+class _Delegated:
+    """Where a Mount's or Host's app with a guard of its own serves requests."""
+
+    where: str  # how a refusal names it
+    prefix: str | None  # every template under it (a Mount's path, a Host of a bare app)
+    templates: frozenset[str]  # the templates its app's routes serve
+
+    def serves(self, template: str) -> bool:
+        under = self.prefix is not None and template.startswith(self.prefix + "/")
+        return under or template in self.templates
+
+
+def _templates(app: Any, guard: object) -> tuple[dict[str, set[str]], list[_Delegated], list[str]]:
+    """Every route template the app's router serves, with its methods ("*" for any);
+    where Mounts' and Hosts' apps with a guard other than ``guard`` serve; and the paths
+    of Mounts with a guard in their own ``middleware=``."""
     served: dict[str, set[str]] = {}
-    guarded: list[str] = []
+    guarded: list[_Delegated] = []
     mount_level: list[str] = []
 
-    def walk(routes: Iterable[Any], prefix: str) -> None:
+    def walk(routes: Iterable[Any], prefix: str, into: dict[str, set[str]], outer: bool) -> None:
         for route in expand_routes(list(routes)):
-            original = getattr(route, "original_route", route)
-            if isinstance(original, Mount) and mount_level_guard(original, guard):
-                mount_level.append(prefix + original.path)
-            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
-                guarded.append(prefix + original.path)
+            sub = sub_app_route(route)
+            if sub is None:
+                template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
+                methods = getattr(route, "methods", None)
+                into.setdefault(prefix + template, set()).update(methods or {"*"})
                 continue
-            if isinstance(original, Mount):
-                walk(original.routes, prefix + original.path)
+            sub_prefix = prefix + sub_app_prefix(sub)
+            if not outer:  # inside a guarded app: only its templates are wanted
+                walk(sub.routes, sub_prefix, into, outer)
                 continue
-            if isinstance(original, Host):
-                walk(original.routes, prefix)
-                continue
-            template = str(getattr(route, "path_format", None) or getattr(route, "path", ""))
-            methods = getattr(route, "methods", None)
-            served.setdefault(prefix + template, set()).update(methods or {"*"})
+            if isinstance(sub, Mount) and mount_level_guard(sub, guard):
+                mount_level.append(sub_prefix)
+            if not decided_by_own_guard(sub, guard):
+                walk(sub.routes, sub_prefix, into, outer)
+            elif isinstance(sub, Mount):
+                guarded.append(
+                    _Delegated(f"the app mounted at {sub_prefix}", sub_prefix, frozenset())
+                )
+            else:
+                theirs: dict[str, set[str]] = {}
+                walk(sub.routes, sub_prefix, theirs, False)
+                bare = None if theirs else sub_prefix  # a bare ASGI app takes every path
+                guarded.append(
+                    _Delegated(f"the app at Host({sub.host!r})", bare, frozenset(theirs))
+                )
 
-    walk(getattr(getattr(app, "router", None), "routes", ()), "")
+    walk(getattr(getattr(app, "router", None), "routes", ()), "", served, True)
     return served, guarded, mount_level
 
 
 def _check_policies_map(
-    policies: Iterable[str], served: dict[str, set[str]], guarded: list[str]
+    policies: Iterable[str], served: dict[str, set[str]], guarded: list[_Delegated]
 ) -> Iterator[str]:
     if not served and not guarded:
         return  # a bare ASGI app has no templates to check against
@@ -141,10 +165,10 @@ def _check_policies_map(
         method, _, template = entry.rpartition(" ")
         method = method.strip().upper()
         methods = served.get(template)
-        mount = next((m for m in guarded if template.startswith(m + "/")), None)
-        if methods is None and mount is not None:
+        delegated = next((d for d in guarded if d.serves(template)), None)
+        if methods is None and delegated is not None:
             yield (
-                f"policies[{entry!r}]: the app mounted at {mount} serves it and has an "
+                f"policies[{entry!r}]: {delegated.where} serves it and has an "
                 "IdempotencyMiddleware of its own, which decides there: give the policy "
                 "to that guard"
             )

@@ -1,14 +1,18 @@
 """``asgi-idempotency``: operate the records table from a shell or a cron job.
 
-Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``demo``, ``check URL``.
+Commands: ``migrate``, ``prune``, ``inspect KEY``, ``stats``, ``audit``, ``demo``,
+``check URL``.
 The database (all but ``demo`` and ``check``) comes from ``--database-url`` or
 ``IDEMPOTENCY_DATABASE_URL``, through the URL rule the store and alembic share
 (:mod:`asgi_idempotency.urls`): ``postgres://``, ``postgresql://``, ``sqlite://``,
 ``mariadb://`` and ``mysql://`` URLs get their async driver (asyncpg, aiosqlite, asyncmy),
-other drivers are refused, and passwords are never printed. ``inspect`` and ``stats``
-also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
+other drivers are refused, and passwords are never printed. ``inspect``, ``stats`` and
+``audit`` also take a Redis URL (``redis://``, ``rediss://``, ``redis+cluster://``,
 ``rediss+cluster://``: the ``redis`` extra); ``prune`` on one explains that Redis
 expires records itself and ``migrate`` that Redis needs no schema, both exiting 0.
+Each URL's store comes from the store registry (:mod:`asgi_idempotency.stores.registry`,
+where a store of one's own registers its schemes too), and each command asks the
+store's declared capabilities (prune, migrations, stats), never the URL's scheme.
 Every URL hint (``--help`` and the errors) lists the one set of spellings,
 :data:`asgi_idempotency.urls.ACCEPTED`.
 
@@ -18,7 +22,8 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 0     success
 1     inspect: no record for that key in the scope searched (host, principal);
       demo: the guarded run did not make exactly one refund; check: a check
-      failed (each failing check is named)
+      failed (each failing check is named); audit: suspected duplicates were
+      found
 2     usage error: bad arguments, a key digest prefix that matches several
       records, missing or malformed database URL, the demo extra not installed;
       migrate: the database is at a revision this version does not know; check:
@@ -47,13 +52,14 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from . import __version__
 from .errors import SchemaMissing, StoreError
-from .urls import ACCEPTED, ENV_URL, is_redis, redact, sqlite_path
+from .stores.registry import StoreKind, kind_of
+from .urls import ACCEPTED, ENV_URL, redact, sqlite_path
 from .urls import async_url as normalize_url
 
 __all__ = ["ENV_URL", "EXIT_MEANINGS", "Exit", "main", "normalize_url"]
@@ -64,6 +70,7 @@ _T = TypeVar("_T")
 class Exit(enum.IntEnum):
     OK = 0
     NOT_FOUND = 1
+    FOUND = 1  # audit: suspected duplicates were found (an alias of 1)
     USAGE = 2
     UNREACHABLE = 3
     NO_SCHEMA = 4
@@ -77,7 +84,8 @@ EXIT_MEANINGS: dict[Exit, str] = {
     Exit.NOT_FOUND: (
         "inspect: no record for that key in the scope searched (host, principal); "
         "demo: the guarded run did not make exactly one refund; "
-        "check: a check failed (each failing check is named)"
+        "check: a check failed (each failing check is named); "
+        "audit: suspected duplicates were found"
     ),
     Exit.USAGE: (
         "usage error: bad arguments, a key digest prefix that matches several "
@@ -187,13 +195,11 @@ def _iso(value: datetime | None) -> str | None:
 async def _with_store(
     url: str, command_timeout: float, body: Callable[[Any], Awaitable[Exit]]
 ) -> Exit:
-    from .stores.sql import SQLStore
-
-    store = (
-        _redis_store(url, command_timeout)
-        if is_redis(url)
-        else SQLStore(url, command_timeout=command_timeout, pool_size=1)
-    )
+    kind = kind_of(url)
+    try:
+        store = kind.build(url, command_timeout=command_timeout, **kind.cli_options)
+    except (ImportError, ValueError) as exc:  # its extra is missing, or it refused the URL
+        raise CLIError(Exit.USAGE, str(exc)) from None
     try:
         return await body(store)
     except StoreError as exc:
@@ -202,36 +208,25 @@ async def _with_store(
         await store.close()
 
 
-def _redis_store(url: str, command_timeout: float) -> Any:
-    try:
-        from .stores.redis import RedisStore
-    except ImportError as exc:
-        raise CLIError(Exit.USAGE, str(exc)) from None
-    try:
-        return RedisStore(url, command_timeout=command_timeout)
-    except ValueError as exc:
-        raise CLIError(Exit.USAGE, str(exc)) from None
+def _nothing_to(command: str, capability: str, kind: StoreKind) -> str:
+    """What ``command`` says on a kind of store that lacks ``capability``, exiting 0."""
+    return f"nothing to {command}: {kind.why_not(capability)}"
 
 
 #: What ``prune`` says on Redis, where there is nothing for it to do.
-REDIS_PRUNE = (
-    "nothing to prune: Redis expires each record itself when its retention ends "
-    "(the key's TTL), so a Redis store needs no prune job"
-)
-
+REDIS_PRUNE = _nothing_to("prune", "prune", kind_of("redis://"))
 
 #: What ``migrate`` says on Redis, where there is nothing for it to do.
-REDIS_MIGRATE = (
-    "nothing to migrate: Redis needs no schema (each record is one key, written as it is claimed)"
-)
+REDIS_MIGRATE = _nothing_to("migrate", "migrations", kind_of("redis://"))
 
 
 def cmd_migrate(args: argparse.Namespace, out: TextIO) -> Exit:
     url = _require_url(args, existing=False)
-    if is_redis(url):
+    kind = kind_of(url)
+    if not kind.capabilities.migrations:
         # Success, like prune on Redis: a deploy step that runs migrate on every
         # deploy keeps working when the store moves to Redis.
-        print(REDIS_MIGRATE, file=out)
+        print(_nothing_to("migrate", "migrations", kind), file=out)
         return Exit.OK
     try:
         from .migrations import SchemaConflict, UnknownRevision, upgrade
@@ -255,11 +250,13 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
     from .retention import count_expired, prune_all
 
     url = _require_url(args)
-    if is_redis(url):
+    kind = kind_of(url)
+    if not kind.capabilities.prune:
+        note = _nothing_to("prune", "prune", kind)
         if args.json:
-            print(json.dumps({"pruned": 0, "dry_run": args.dry_run, "note": REDIS_PRUNE}), file=out)
+            print(json.dumps({"pruned": 0, "dry_run": args.dry_run, "note": note}), file=out)
         elif not args.quiet:
-            print(REDIS_PRUNE, file=out)
+            print(note, file=out)
         return Exit.OK
     err: TextIO = sys.stderr
     show_progress = not args.json and not args.quiet and err.isatty()
@@ -479,10 +476,14 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> Exit:
 
 def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
     from .retention import table_stats
+    from .stores.base import capabilities
 
     url = _require_url(args)
 
     async def body(store: Any) -> Exit:
+        if not capabilities(store).stats:
+            why = kind_of(url).why_not("stats")
+            raise CLIError(Exit.USAGE, f"stats: this store cannot count its records ({why})")
         stats = await table_stats(store)
         if args.json:
             payload = {
@@ -503,6 +504,100 @@ def cmd_stats(args: argparse.Namespace, out: TextIO) -> Exit:
         oldest = _fmt_time(stats.oldest_in_progress, stats.now)
         print(f"{'oldest live in_progress':<30} {oldest}", file=out)
         return Exit.OK
+
+    return asyncio.run(_with_store(url, args.timeout, body))
+
+
+def _duration(text: str) -> timedelta:
+    from .audit import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_audit(args: argparse.Namespace, out: TextIO) -> Exit:
+    from .audit import extra_keys_by_route, suspected_duplicates
+    from .migrations import schema_problem
+    from .stores.base import capabilities
+
+    url = _require_url(args)
+    if args.format == "prometheus":
+        try:
+            from prometheus_client import CollectorRegistry, generate_latest
+
+            from .prometheus import PrometheusMetrics
+        except ImportError as exc:
+            raise CLIError(Exit.USAGE, f"--format prometheus: {exc}") from None
+
+    async def body(store: Any) -> Exit:
+        if capabilities(store).migrations:
+            # Read-only, like stats: a table from before revision 0003 is reported (exit
+            # 4), not upgraded (the app upgrades its own SQLite file at start).
+            with _store_errors(url):
+                async with store.engine.connect() as conn:
+                    problem = await conn.run_sync(schema_problem)
+            if problem is not None:
+                raise CLIError(
+                    Exit.NO_SCHEMA,
+                    f"{problem} in {redact(url)}: run `asgi-idempotency migrate` first",
+                )
+        now = datetime.now(UTC)
+        found = await suspected_duplicates(
+            store, since=args.since, window=args.window, route=args.route, now=now
+        )
+        if args.format == "json":
+            payload = {
+                "now": _iso(now),
+                "since": _iso(now - args.since),
+                "window_s": args.window.total_seconds(),
+                "route": args.route,
+                "suspected": [
+                    {
+                        "route": run.route,
+                        "caller_digest": run.scope_digest,
+                        "request_digest": run.request_hash,
+                        "requests": run.requests,
+                        "keys": run.keys,
+                        "first": _iso(run.first),
+                        "last": _iso(run.last),
+                    }
+                    for run in found
+                ],
+            }
+            print(json.dumps(payload), file=out)
+        elif args.format == "prometheus":
+            registry = CollectorRegistry()
+            PrometheusMetrics(registry).observe_audit(found)
+            out.write(generate_latest(registry).decode())
+        elif not found:
+            print(
+                f"no suspected duplicates since {now - args.since:%Y-%m-%d %H:%M:%S} UTC "
+                f"(window {_fmt_span(args.window.total_seconds())})",
+                file=out,
+            )
+        else:
+            extra = sum(extra_keys_by_route(found).values())
+            print(
+                f"{len(found)} suspected duplicate run{'s' if len(found) != 1 else ''} "
+                f"({extra} request{'s' if extra != 1 else ''} repeated under another key): "
+                "the same caller, route and body under different keys",
+                file=out,
+            )
+            print(
+                f"{'route':<32} {'caller':<16} {'request':<16} {'requests':>8} {'keys':>5}  "
+                f"{'first':<19} last",
+                file=out,
+            )
+            for run in found:
+                print(
+                    f"{run.route:<32} {run.scope_digest[:16]:<16} {run.request_hash[:16]:<16} "
+                    f"{run.requests:>8} {run.keys:>5}  {run.first:%Y-%m-%d %H:%M:%S} "
+                    f"{run.last:%Y-%m-%d %H:%M:%S}",
+                    file=out,
+                )
+        return Exit.FOUND if found else Exit.OK
 
     return asyncio.run(_with_store(url, args.timeout, body))
 
@@ -532,8 +627,10 @@ def cmd_demo(args: argparse.Namespace, out: TextIO) -> Exit:
     url = None
     if args.database_url:
         url = _require_url(args, existing=False)
-        if is_redis(url):
-            raise CLIError(Exit.USAGE, "the demo runs on Postgres or SQLite, not Redis")
+        kind = kind_of(url)
+        if not kind.capabilities.migrations:
+            # It writes its refunds in a table of its own beside the records.
+            raise CLIError(Exit.USAGE, f"the demo runs on Postgres or SQLite, not {kind.name}")
     code = _demo_database(url, lambda: run_demo(url))
     return Exit(code) if code in (Exit.OK, Exit.NOT_FOUND) else Exit.INTERNAL
 
@@ -671,10 +768,8 @@ def _require_url(args: argparse.Namespace, *, existing: bool = True) -> str:
     url: str | None = args.database_url or os.environ.get(ENV_URL)
     if not url:
         raise CLIError(Exit.USAGE, f"no database: pass --database-url URL or set {ENV_URL}")
-    if is_redis(url):
-        return url  # RedisStore reads it as given
     try:
-        url = normalize_url(url)
+        url = kind_of(url).url(url)  # as its store reads it (SQL: with its async driver)
     except ValueError as exc:
         raise CLIError(Exit.USAGE, str(exc)) from None
     path = sqlite_path(url)
@@ -828,6 +923,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser(
+        "audit",
+        parents=[common],
+        help="find likely duplicates keys could not catch (a key minted inside a retry loop)",
+        description=(
+            "Lists runs of requests from one caller (host and principal, as a digest) to "
+            "one route with the same body under different Idempotency-Keys, each within "
+            "--window of the one before, claimed in the last --since: what a client that "
+            "mints its key inside its retry loop leaves behind. Reads the records every "
+            "worker wrote (records not yet expired). Exit code 0 when nothing is found, "
+            "1 when something is, 2 on a usage error, 3 when the store is unreachable, 4 "
+            "when the schema is missing or not migrated."
+        ),
+    )
+    p.add_argument(
+        "--since",
+        type=_duration,
+        default=timedelta(hours=1),
+        help="how far back to look: 30s, 10m, 1h, 2d (default 1h)",
+    )
+    p.add_argument(
+        "--window",
+        type=_duration,
+        default=timedelta(minutes=10),
+        help="the longest gap between two requests of one run (default 10m)",
+    )
+    p.add_argument("--route", metavar="TEMPLATE", help="only this route template, e.g. /refunds")
+    p.add_argument(
+        "--format",
+        choices=("table", "json", "prometheus"),
+        default="table",
+        help="prometheus: the gauge idempotency_audit_suspected_regenerated_keys{route} "
+        "as exposition text (for node_exporter's textfile collector)",
+    )
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser(
         "demo",

@@ -33,10 +33,9 @@ from fastapi.dependencies.utils import get_dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.security.base import SecurityBase
-from starlette.routing import Host, Mount
 
 from .errors import IdempotencyError, PrincipalMisconfigured
-from .policy import carries_guard, mounted_app
+from .policy import decided_by_own_guard, sub_app_prefix, sub_app_route
 from .principals import DependencyPrincipal
 from .responder import GUARD_SCOPE_KEY, GuardAnswered, Responder
 
@@ -55,19 +54,17 @@ class GuardedOperation:
 
 
 def operations(app: Any, guard: object = None) -> Iterator[GuardedOperation]:
-    """Every FastAPI route the app can reach, included routers and Mounts walked, except
-    Mounts whose app has a guard other than ``guard``."""
+    """Every FastAPI route the app can reach, included routers, Mounts and Hosts walked,
+    except Mounts or Hosts whose app has a guard other than ``guard``."""
 
     def walk(routes: list[Any], prefix: str) -> Iterator[GuardedOperation]:
         for context in iter_route_contexts(routes):
             original = context.original_route
-            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+            sub = sub_app_route(original)
+            if sub is not None and decided_by_own_guard(sub, guard):
                 continue  # its own guard decides there, with its own principal
-            if isinstance(original, Mount):
-                yield from walk(list(original.routes), prefix + original.path)
-                continue
-            if isinstance(original, Host):
-                yield from walk(list(original.routes), prefix)
+            if sub is not None:
+                yield from walk(list(sub.routes), prefix + sub_app_prefix(sub))
                 continue
             if not isinstance(original, APIRoute):
                 continue

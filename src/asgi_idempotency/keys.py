@@ -11,6 +11,7 @@ __all__ = [
     "HEADER",
     "MAX_KEY_LENGTH",
     "parse_key",
+    "scope_digest",
     "scoped_key",
 ]
 
@@ -110,4 +111,19 @@ def scoped_key(principal: str, key: str, host: str = "") -> str:
     material = f"{len(principal)}:{principal}\x00{key}"
     if host:
         material = f"h{len(host)}:{host}\x00{material}"
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+# The longest route template a record keeps (the column's length); a longer one is cut,
+# never refused: the audit's label must not fail a claim.
+MAX_ROUTE_LENGTH = 255
+
+
+def scope_digest(principal: str, host: str = "") -> str:
+    """A digest of the caller's scope (host and principal) for the audit, never in clear.
+
+    Its material starts with ``s`` where :func:`scoped_key`'s starts with a digit or
+    ``h``, so a scope digest never equals a record's key.
+    """
+    material = f"s{len(host)}:{host}\x00{len(principal)}:{principal}"
     return hashlib.sha256(material.encode()).hexdigest()

@@ -145,6 +145,8 @@ async def claim(
     lease: timedelta,
     ttl: timedelta,
     orphaned: Callable[[NewClaim], object] | None = None,
+    scope_digest: str | None = None,
+    route: str | None = None,
 ) -> Claim:
     """Claim ``key`` for ``token``: one insert, and a compare-and-swap only to take over.
 
@@ -160,6 +162,9 @@ async def claim(
     :func:`release_orphan` in the background (a transaction's claim needs none: it
     rolls back).
 
+    ``scope_digest`` and ``route`` ride in the claim's own statement for the audit
+    (:mod:`.stores.duplicates`): no round trip of their own.
+
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
     """
@@ -167,7 +172,7 @@ async def claim(
         # Retention never ends within the lease (the rule above); Policy already
         # refuses lease > ttl, this holds it for any caller.
         ttl = lease
-    new = NewClaim(key, request_hash, token, now, lease, ttl)
+    new = NewClaim(key, request_hash, token, now, lease, ttl, scope_digest, route)
     try:
         for _ in range(CLAIM_ATTEMPTS):
             existing = await store.insert(new)

@@ -10,7 +10,8 @@ stored record means lives there, once:
            │                          └─ raised:   the key is released, the error re-raised
            ├─ COMPLETED ─► the stored result, decoded (the function does not run)
            ├─ MISMATCH ──► KeyReused
-           └─ IN_PROGRESS ─► InProgress(retry_after), or poll until ``wait`` runs out
+           └─ IN_PROGRESS ─► InProgress(retry_after), or wait up to ``wait`` for the
+                             holder's result (:mod:`.waiting`, as ``Policy(wait=...)``)
 
 The record's request hash is a fingerprint of the call: SHA-256 of the canonical JSON
 of the function's qualified name and its bound arguments, defaults applied. The result
@@ -54,6 +55,7 @@ from .metrics import MetricsSink, MetricsSnapshot, Outcome
 from .observer import Observer, store_label
 from .policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
 from .stores.base import NewClaim, Store, StoredResponse, utcnow
+from .waiting import POLL_MAX, Waiters
 
 __all__ = ["Codec", "InProgress", "KeyReused", "Once"]
 
@@ -180,10 +182,17 @@ class Once:
             silence, not the function's run time. Both validated as :class:`.Policy`'s.
         namespace: scopes the keys; default, per function, its module and qualified name.
             Two functions given one namespace and one key raise :class:`KeyReused`.
-        wait: how long a call polls a key another holder is running before it raises
-            :class:`InProgress` (default ``None``: raise at once).
+        wait: how long a call waits for the result of a key another holder is running
+            before it raises :class:`InProgress` (default ``None``: raise at once).
+            Unlike ``Policy(wait=...)`` it may exceed the lease (to wait out a dead
+            holder and take its key over). As ``Policy(wait=...)``: a holder in this
+            process tells its waiters when it ends, one held elsewhere is read with
+            backoff, once per key however many calls wait; if the holder raises (its
+            key released), one waiting call runs the function and the others wait for
+            its result.
         retry_after: seconds :class:`InProgress` suggests, capped by the holder's lease,
-            and between polls (default 1.0, as the middleware's).
+            and the longest pause between two reads of a key held elsewhere while
+            waiting (default 1.0, as the middleware's; reads pause 0.5 s at most).
         codec: ``dumps``/``loads`` between a result and bytes (default orjson: JSON
             values). Every call returns the result after a trip through the codec,
             the first included, so a result it does not round-trip shows at once.
@@ -225,6 +234,7 @@ class Once:
         self._observer = Observer(metrics, store_label(store))
         self._renewals = LeaseRenewals(store, clock=clock, observer=self._observer)
         self._background: set[asyncio.Task[Any]] = set()
+        self._waiters = Waiters(store.get, poll_max=min(POLL_MAX, retry_after))
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
 
@@ -417,52 +427,69 @@ class Once:
 
     async def _claim(self, call: _Call, span: Any = None) -> bytes | _Owned:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if call.wait is None else loop.time() + call.wait.total_seconds()
-        while True:
-            now = self.clock()
-            token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
-            claim = await self._store("claim", span, lifecycle.claim(
-                self.store, call.key, call.fingerprint, token,
-                now=now, lease=self.lease, ttl=self.ttl,
-                orphaned=functools.partial(self._orphaned, call),
-            ))  # fmt: skip
-            outcome = claim.outcome
-            if claim.owned:
-                if outcome is ClaimOutcome.TAKEN_OVER:
-                    self._log(logging.WARNING, "idempotency.takeover", call, outcome="taken_over")
-                    self._observer.takeover(call.namespace)
-                    if span is not None:
-                        tracing.annotate(span, taken_over=True)
-                renewal = self._renewals.start(
-                    call.key, token, self.lease, self._renew_every, call.namespace
-                )
-                return _Owned(token, renewal)
-            record = claim.record
-            if outcome is ClaimOutcome.COMPLETED:
-                assert record is not None
-                assert record.response is not None
-                # The middleware's replay event, without its status: a result has none.
-                self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
-                return record.response.body
-            if outcome is ClaimOutcome.MISMATCH:
-                self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
-                raise KeyReused(
-                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
-                    "with other arguments or another function; use a new key for a new call"
-                )
-            wait = lifecycle.in_progress_wait(record, now, self.retry_after)
-            left = None if deadline is None else deadline - loop.time()
-            if left is None or left <= 0:
-                raise InProgress(
-                    f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
-                    f"by a running call; retry in {wait:.3g} s",
-                    retry_after=wait,
-                )
-            await asyncio.sleep(max(0.0, min(wait, left)))
+        token = os.urandom(16).hex()  # the fencing token, as the HTTP side's
+        claim = await self._claim_as(call, token, span)
+        if claim.outcome is ClaimOutcome.IN_PROGRESS and call.wait is not None:
+            began = self.clock()
+            claim = await self._waiters.wait(
+                call.key, call.fingerprint, claim, call.wait.total_seconds(), self.clock,
+                functools.partial(self._claim_as, call, token, span),
+            )  # fmt: skip
+            waited = (self.clock() - began).total_seconds()
+            self._log(logging.INFO, "idempotency.waited", call, outcome=claim.outcome.value,
+                      waited_s=round(waited, 3))  # fmt: skip
+            if span is not None:
+                tracing.annotate(span, waited=True)
+        outcome = claim.outcome
+        if claim.owned:
+            if outcome is ClaimOutcome.TAKEN_OVER:
+                self._log(logging.WARNING, "idempotency.takeover", call, outcome="taken_over")
+                self._observer.takeover(call.namespace)
+                if span is not None:
+                    tracing.annotate(span, taken_over=True)
+            renewal = self._renewals.start(
+                call.key, token, self.lease, self._renew_every, call.namespace
+            )
+            if call.wait is not None:
+                self._waiters.hold(call.key)  # its waiters here hear of its end from us
+            return _Owned(token, renewal)
+        record = claim.record
+        if outcome is ClaimOutcome.COMPLETED:
+            assert record is not None
+            assert record.response is not None
+            # The middleware's replay event, without its status: a result has none.
+            self._log(logging.INFO, "idempotency.replay", call, outcome="replayed")
+            return record.response.body
+        if outcome is ClaimOutcome.MISMATCH:
+            self._log(logging.INFO, "idempotency.mismatch", call, outcome="mismatch")
+            raise KeyReused(
+                f"key (digest {call.key[:16]}) of namespace {call.namespace!r} was used "
+                "with other arguments or another function; use a new key for a new call"
+            )
+        wait = lifecycle.in_progress_wait(record, self.clock(), self.retry_after)
+        raise InProgress(
+            f"key (digest {call.key[:16]}) of namespace {call.namespace!r} is held "
+            f"by a running call; retry in {wait:.3g} s",
+            retry_after=wait,
+        )
+
+    async def _claim_as(self, call: _Call, token: str, span: Any = None) -> lifecycle.Claim:
+        """One claim of the key for ``token``: a round trip (two to take over)."""
+        now = self.clock()
+        return await self._store("claim", span, lifecycle.claim(
+            self.store, call.key, call.fingerprint, token,
+            now=now, lease=self.lease, ttl=self.ttl,
+            orphaned=functools.partial(self._orphaned, call),
+        ))  # fmt: skip
 
     async def _finish(self, call: _Call, owned: _Owned, result: Any, span: Any = None) -> Any:
         """Complete the key with ``result``; return it as a replay would (via the codec)."""
+        try:
+            return await self._complete(call, owned, result, span)
+        finally:
+            self._waiters.settled(call.key)
+
+    async def _complete(self, call: _Call, owned: _Owned, result: Any, span: Any) -> Any:
         owned.renewal.stop(owned.token)
         try:
             body = self.codec.dumps(result)
@@ -514,9 +541,12 @@ class Once:
         except StoreError as exc:
             # The function's own error is the one raised; the claim lapses after a lease.
             self._observer.store_error(call.namespace, call.key, "release", exc)
+        finally:
+            self._waiters.settled(call.key)
 
     def _abandon(self, call: _Call, owned: _Owned) -> None:
         owned.renewal.stop(owned.token)
+        self._waiters.settled(call.key)  # waiters here go back to reading the store
         self._log(logging.WARNING, "idempotency.cancelled", call)
 
     async def _shielded(self, call: _Call, phase: str, coro: Coroutine[Any, Any, T]) -> T:
@@ -631,4 +661,7 @@ def _namespace(namespace: object) -> str:
 
 
 def _wait(wait: timedelta | None) -> timedelta | None:
+    # Not bounded by the lease, unlike Policy(wait=...): no client connection is held
+    # open meanwhile, and a redelivery may well wait out a dead holder's lease to take
+    # its key over.
     return None if wait is None else _duration("wait", wait)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
-from starlette.routing import Host, Mount
 
 from .errors import (
     BodyTooLarge,
@@ -31,7 +30,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .keys import MAX_KEY_LENGTH
-from .policy import Policy, ResolvedRoute, expand_routes
+from .policy import Policy, ResolvedRoute, expand_routes, sub_app_route
 from .principals import ANONYMOUS, DependencyPrincipal
 
 if TYPE_CHECKING:
@@ -224,7 +223,7 @@ class _RouteIndex:
         routes: dict[tuple[str | None, str], ResolvedRoute] = {}
         router = getattr(self._app, "router", None)
         for route in expand_routes(list(getattr(router, "routes", ()))):
-            if isinstance(getattr(route, "original_route", route), (Mount, Host)):
+            if sub_app_route(route) is not None:
                 continue
             template = getattr(route, "path_format", None)
             if not isinstance(template, str):

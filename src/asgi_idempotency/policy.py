@@ -136,13 +136,28 @@ class Policy:
             transactional route in a transaction whenever the store opens one, its
             writes committing alone when the record is another request's); only a
             webhook delivery whose signature fails is refused (400) in every mode.
+        wait: how long a duplicate that arrives while the first request with its key
+            still runs waits for the first's answer (default ``None``: 409 at once).
+            It then gets the first's stored response, replayed byte for byte with
+            ``Idempotent-Replayed: true``; if the first is released meanwhile (a 5xx,
+            an exception), one waiter claims the key and runs the handler and the
+            others wait for its answer; past ``wait``, 409 + ``Retry-After`` as
+            without it. No store connection is held while waiting: a key held by a
+            request of the same process is read once, when that request ends; one
+            held elsewhere is read with backoff (10 ms doubling to 0.5 s, or
+            ``retry_after`` if smaller), once per process and key however many wait.
+            At most ``lease``. Not with ``transactional`` (a running first holds an
+            open transaction, invisible to a reader). Ignored in ``mode="report"``.
 
     Raises:
-        TypeError: ``ttl`` or ``lease`` is not a ``timedelta`` (a number, a bool, None);
-            ``fingerprint_exclude`` is a single string rather than a collection of them.
-        ValueError: ``ttl`` or ``lease`` is not positive; a ``lease`` given explicitly
-            exceeds ``ttl``; ``max_body_bytes`` is negative; a ``fingerprint_exclude``
-            pointer does not start with ``/`` or has a ``~`` not followed by 0 or 1.
+        TypeError: ``ttl``, ``lease`` or ``wait`` is not a ``timedelta`` (a number, a
+            bool, None for the first two); ``fingerprint_exclude`` is a single string
+            rather than a collection of them.
+        ValueError: ``ttl``, ``lease`` or ``wait`` is not positive; a ``lease`` given
+            explicitly exceeds ``ttl``; ``wait`` exceeds ``lease``, or is given with
+            ``transactional``; ``max_body_bytes`` is negative; a
+            ``fingerprint_exclude`` pointer does not start with ``/`` or has a ``~``
+            not followed by 0 or 1.
     """
 
     enabled: bool = True
@@ -155,6 +170,7 @@ class Policy:
     fingerprint_exclude: tuple[str, ...] = ()
     mode: Literal["enforce", "report"] = "enforce"
     key_from: DeliveryKey | None = None
+    wait: timedelta | None = None
     _header_names: frozenset[bytes] = field(init=False, repr=False, compare=False)
     _renew_every: float = field(init=False, repr=False, compare=False)
 
@@ -170,6 +186,20 @@ class Policy:
                 # more than the row keeps. Refuse rather than shorten what was asked.
                 raise ValueError(
                     f"lease ({lease}) exceeds ttl ({ttl}): pass lease <= ttl, or a longer ttl"
+                )
+        if self.wait is not None:
+            wait = _duration("wait", self.wait)
+            if wait > lease:
+                # A first request is renewed while it runs, so a longer wait would hold
+                # duplicates (and their clients' connections) past the bound the lease
+                # sets on a dead holder's silence. Refused rather than shortened.
+                raise ValueError(
+                    f"wait ({wait}) exceeds lease ({lease}): pass wait <= lease, or a longer lease"
+                )
+            if self.transactional:
+                raise ValueError(
+                    "wait is not available with transactional=True: a running first "
+                    "request's claim is an open transaction that no reader can see"
                 )
         if self.max_body_bytes < 0:
             raise ValueError("max_body_bytes must be >= 0")
@@ -218,6 +248,7 @@ def idempotent(
     fingerprint_exclude: Iterable[str] = (),
     mode: Literal["enforce", "report"] = "enforce",
     key_from: DeliveryKey | None = None,
+    wait: timedelta | None = None,
 ) -> Callable[[F], F]:
     """Attach a :class:`Policy` to an endpoint; the middleware finds it through the router.
 
@@ -238,6 +269,7 @@ def idempotent(
         fingerprint_exclude=tuple(fingerprint_exclude),
         mode=mode,
         key_from=key_from,
+        wait=wait,
     )
 
     def mark(func: F) -> F:
@@ -256,14 +288,38 @@ def policy_of(endpoint: Any) -> Policy | None:
 class ResolvedRoute:
     template: str  # e.g. "/orders/{order_id}/refunds", mount prefixes included
     endpoint: Any
-    # Served by a mounted app with its own IdempotencyMiddleware, which decides: its
-    # principal is the one that app's auth yields (template: the Mount's path).
+    # Served by a Mount's or Host's app with its own IdempotencyMiddleware, which decides:
+    # its principal is the one that app's auth yields (template: the Mount's path).
     delegated: bool = False
 
 
-def mounted_app(mount: Mount) -> Any:
-    """The app a Mount was given, inside the Mount's own ``middleware=``."""
-    return getattr(mount, "_base_app", mount.app)
+def mounted_app(route: Mount | Host) -> Any:
+    """The app a Mount or Host was given, inside a Mount's own ``middleware=``."""
+    return getattr(route, "_base_app", route.app)
+
+
+# Routes that hand what they match to an app of their own, which the walkers enter.
+SUB_APP_ROUTES: tuple[type[Mount | Host], ...] = (Mount, Host)
+
+
+def sub_app_route(route: Any) -> Mount | Host | None:
+    """``route`` (as FastAPI flattened it or not) when it hands what it matches to an app
+    of its own, else ``None``."""
+    original = getattr(route, "original_route", route)
+    return original if isinstance(original, SUB_APP_ROUTES) else None
+
+
+def sub_app_prefix(route: Mount | Host) -> str:
+    """What the route adds to its app's templates: a Mount's path; nothing for a Host."""
+    return route.path if isinstance(route, Mount) else ""
+
+
+def decided_by_own_guard(route: Any, guard: object) -> bool:
+    """Whether ``route`` hands its requests to an app with a guard other than ``guard``:
+    that guard decides there, with the principal its app's auth yields, so ``guard``
+    neither decides, checks policies, nor claims there. Every walker asks this."""
+    sub = sub_app_route(route)
+    return sub is not None and carries_guard(mounted_app(sub), guard)
 
 
 def mount_level_guard(mount: Mount, besides: object = None) -> bool:
@@ -282,7 +338,7 @@ def mount_level_guard(mount: Mount, besides: object = None) -> bool:
 
 
 def carries_guard(app: Any, besides: object = None) -> bool:
-    """Whether ``app`` (a Mount's app) has an IdempotencyMiddleware of its own, other than
+    """Whether ``app`` (a Mount's or Host's app) has an IdempotencyMiddleware of its own, other than
     ``besides`` (the guard asking): wrapping it, in the Mount's own middleware, or in a
     Starlette app's middleware (built, or still only listed)."""
     node = app
@@ -340,8 +396,8 @@ class _Walk:
         routes = _routes_of(owner)
         self.seen.append((owner, len(routes)))
         for route in self.expand(routes):
-            original = getattr(route, "original_route", route)
-            if isinstance(original, Host):
+            sub = sub_app_route(route)
+            if isinstance(sub, Host):
                 self.cacheable = False  # the Host header decides, not the path
             try:
                 match, child = route.matches(scope)
@@ -349,11 +405,10 @@ class _Walk:
                 continue
             if match is not Match.FULL:
                 continue
-            if isinstance(original, Mount) and carries_guard(mounted_app(original), self.guard):
-                return ResolvedRoute(prefix + original.path, original.app, delegated=True)
-            if isinstance(original, (Mount, Host)):
-                sub_prefix = prefix + original.path if isinstance(original, Mount) else prefix
-                found = self(original, {**scope, **child}, sub_prefix)
+            if sub is not None and decided_by_own_guard(sub, self.guard):
+                return ResolvedRoute(prefix + sub_app_prefix(sub), sub.app, delegated=True)
+            if sub is not None:
+                found = self(sub, {**scope, **child}, prefix + sub_app_prefix(sub))
                 if found is not None:
                     return found
                 continue
@@ -438,16 +493,16 @@ class RouteResolver(Generic[T]):
 
 def iter_endpoint_policies(app: Any, guard: object = None) -> list[Policy]:
     """Every ``@idempotent`` policy on an endpoint the app's router can reach, except in
-    Mounts whose app has a guard other than ``guard``."""
+    Mounts or Hosts whose app has a guard other than ``guard``."""
     found: list[Policy] = []
 
     def walk(routes: Iterable[Any]) -> None:
         for route in expand_routes(routes):
-            original = getattr(route, "original_route", route)
-            if isinstance(original, Mount) and carries_guard(mounted_app(original), guard):
+            sub = sub_app_route(route)
+            if sub is not None and decided_by_own_guard(sub, guard):
                 continue  # its own guard checks its policies
-            if isinstance(original, (Mount, Host)):
-                walk(original.routes)
+            if sub is not None:
+                walk(sub.routes)
                 continue
             policy = policy_of(getattr(route, "endpoint", None))
             if policy is not None:

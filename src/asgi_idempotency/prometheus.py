@@ -22,12 +22,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ._extras import missing_extra
 from .asgi import ASGIApp
+from .audit import extra_keys_by_route
 from .metrics import Outcome
 
 try:
@@ -36,12 +38,16 @@ try:
         REGISTRY,
         CollectorRegistry,
         Counter,
+        Gauge,
         Histogram,
         generate_latest,
         make_asgi_app,
     )
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise missing_extra(__name__, "prometheus-client", "prometheus") from exc
+
+if TYPE_CHECKING:
+    from .stores.duplicates import SuspectedDuplicate
 
 __all__ = ["PrometheusMetrics"]
 
@@ -105,6 +111,21 @@ def _histogram(
     return found
 
 
+_gauges: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Gauge]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gauge(registry: CollectorRegistry, name: str, doc: str, labels: tuple[str, ...]) -> Gauge:
+    """One gauge per registry and name, shared by every instance that asks for it."""
+    with _counters_lock:
+        by_name = _gauges.setdefault(registry, {})
+        found = by_name.get(name)
+        if found is None:
+            found = by_name[name] = Gauge(name, doc, labels, registry=registry)
+        return found
+
+
 class PrometheusMetrics:
     """A :class:`~asgi_idempotency.metrics.MetricsSink` that counts into a Prometheus registry.
 
@@ -135,6 +156,7 @@ class PrometheusMetrics:
         self.prefix = prefix
         self.requests = _requests_counter(self.registry, prefix)
         self.regenerated: Counter | None = None
+        self._audited: set[tuple[str]] = set()  # routes the audit gauge has a series for
         self.store_seconds = _histogram(
             self.registry,
             f"{prefix}_store_seconds",
@@ -174,6 +196,26 @@ class PrometheusMetrics:
                 ("route",),
             )
         self.regenerated.labels(route=route).inc()
+
+    def observe_audit(self, found: list[SuspectedDuplicate]) -> None:
+        """The audit's latest findings (:mod:`asgi_idempotency.audit`): per route, the
+        requests that repeated one of the same caller's under another key. Routes found
+        before and not now go back to 0, so the alert resolves."""
+        gauge = _gauge(
+            self.registry,
+            f"{self.prefix}_audit_suspected_regenerated_keys",
+            "Requests in the audit's lookback that repeated one of the same caller's to the "
+            "same route, with the same body, under another Idempotency-Key (within the "
+            "window): likely duplicates a key minted inside a retry loop let through.",
+            ("route",),
+        )
+        extra = extra_keys_by_route(found)
+        for (route,) in list(self._audited):
+            if route not in extra:
+                gauge.labels(route=route).set(0)
+        for route, count in extra.items():
+            gauge.labels(route=route).set(count)
+            self._audited.add((route,))
 
     async def endpoint(self, request: Request) -> Response:
         """A Starlette/FastAPI endpoint serving this registry's exposition text.

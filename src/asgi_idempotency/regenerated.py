@@ -4,13 +4,15 @@ The same caller (host and principal) sending the same request (fingerprint) unde
 another key within a short window is counted (``suspected_regenerated_keys``) and
 logged with both key digests: a suspicion, not a verdict. The lookup is a short-lived
 marker row written through the store's own atomic ``insert``, so every worker sees it;
-a failed marker write is logged and never fails the request. How it works and what it
+each marker has its own token (:data:`MARKER_TOKEN` and 16 random hex digits); a failed
+marker write is logged and never fails the request. How it works and what it
 costs: docs/operations.md ("Keys minted inside a retry loop").
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -22,9 +24,12 @@ if TYPE_CHECKING:
 
 __all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
 
-# The token of every marker row: markers are never completed, renewed or released, so
-# no claim's fencing token is needed; a fixed one names them for a reader of the table.
-MARKER_TOKEN = "regenerated-key-marker"
+# How every marker row's token starts, naming markers for a reader of the table. The
+# rest is drawn per marker: markers are never completed, renewed or released, but a
+# store may answer an insert that meets a row with its own token as inserted (its first
+# attempt landed: RedisStore, the batching Postgres store), so a token shared by all
+# markers made every sighting a "first" there, and nothing was ever flagged.
+MARKER_TOKEN = "regenerated-key-"  # 16 characters, and 16 hex digits: the column's 32
 
 
 def marker_key(host: str, principal: str, fingerprint: str) -> str:
@@ -67,7 +72,8 @@ class RegeneratedKeys:
             StoreError: the store failed (the caller logs it and goes on).
         """
         window = self.window
-        marker = NewClaim(marker_key(host, principal, fingerprint), key, MARKER_TOKEN, now,
+        token = MARKER_TOKEN + os.urandom(8).hex()
+        marker = NewClaim(marker_key(host, principal, fingerprint), key, token, now,
                           window, window)  # fmt: skip
         found = await store.insert(marker)
         if found is None or found is BUSY:

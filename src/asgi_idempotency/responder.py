@@ -51,7 +51,7 @@ from .errors import (
     StoreError,
     StoreUnavailable,
 )
-from .keys import scoped_key
+from .keys import MAX_ROUTE_LENGTH, scope_digest, scoped_key
 from .lease import LeaseRenewals, Renewal, complete_later
 from .lifecycle import Claim, ClaimOutcome
 from .metrics import Outcome
@@ -65,6 +65,7 @@ from .stores.base import (
     StoreTransaction,
     TransactionalStore,
 )
+from .waiting import POLL_MAX, Waiters
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -98,7 +99,7 @@ class Runtime:
     """What every request of one middleware shares: the app, the store and the settings."""
 
     __slots__ = ("app", "background", "clock", "fail_open", "observer", "regenerated", "renewals",
-                 "retry_after", "store")  # fmt: skip
+                 "retry_after", "store", "waiters")  # fmt: skip
 
     def __init__(
         self,
@@ -117,6 +118,9 @@ class Runtime:
         self.renewals = LeaseRenewals(store, clock=clock, observer=observer)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
+        # Duplicates waiting for a running first (Policy(wait=...)), and the keys this
+        # process's own requests hold for them.
+        self.waiters = Waiters(store.get, poll_max=min(POLL_MAX, retry_after))
 
     def orphaned(self, new: NewClaim) -> None:
         """A claim whose request was cancelled while it was in flight: release it
@@ -232,6 +236,9 @@ class Responder:
             # The scope holds this responder and it the scope: a cycle only the
             # collector would free, paid for by every request's p99.
             scope.pop(GUARD_SCOPE_KEY, None)
+            if self.req.policy.wait is not None:
+                # However the claim ended (a no-op once _finish has said so).
+                self.rt.waiters.settled(self.req.key)
 
     async def _run(self) -> None:
         if self.req.principal is None:
@@ -330,9 +337,11 @@ class Responder:
         except asyncio.CancelledError:
             self.rt.rerun(functools.partial(store.release, key, token), self.req.route, key,
                           "release")  # fmt: skip
+            self._settled()
             raise
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
+        self._settled()
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
         self.rt.observer.log(level, event, self.req.route, self.req.key, **fields)
@@ -359,6 +368,9 @@ class Responder:
             ttl=policy.ttl,
             # A transaction's claim rolls back with it; the store's stays unless released.
             orphaned=rt.orphaned if self.tx is None else None,
+            # For the audit, on every guarded request: digests and the template only.
+            scope_digest=scope_digest(req.principal or "", req.host),
+            route=req.route[:MAX_ROUTE_LENGTH],
         )
         try:
             if span is None and not rt.observer.timing:
@@ -379,9 +391,28 @@ class Responder:
                     # ours, and its writes commit alone: no token, so no record is ours.
                     self._hand_transaction()
                 return True
-            self.state = _State.ANSWERED
-            await self._answer_existing(claim, now)
-            return False
+            if policy.wait is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
+                self.token = token  # the waiter's claim, if it comes to one, is fenced by it
+                try:
+                    claim = await rt.waiters.wait(
+                        req.key, req.fingerprint, claim, policy.wait.total_seconds(), rt.clock,
+                        self._reclaim,
+                    )  # fmt: skip
+                except StoreError as exc:
+                    await self._unavailable(exc, "claim")
+                    return self.state is _State.UNGUARDED
+                waited = rt.clock() - now
+                now += waited
+                self._log(
+                    logging.INFO, "idempotency.waited", outcome=claim.outcome.value,
+                    waited_s=round(waited.total_seconds(), 3),
+                )  # fmt: skip
+                if span is not None:
+                    tracing.annotate(span, waited=True)
+            if not claim.owned:
+                self.state = _State.ANSWERED
+                await self._answer_existing(claim, now)
+                return False
         if rt.regenerated is not None:
             try:
                 await self._check_regenerated(claimant, now)
@@ -403,6 +434,8 @@ class Responder:
             self.renewal = rt.renewals.start(
                 req.key, token, policy.lease, policy.renew_every, req.route
             )
+            if policy.wait is not None:
+                rt.waiters.hold(req.key)  # duplicates here wait for _settled, not the store
         else:
             self._hand_transaction()
         return True
@@ -414,6 +447,25 @@ class Responder:
         assert self.tx is not None
         self.scope.setdefault("state", {})["idempotency"] = self.tx.state
         self.state = _State.OWNED
+
+    async def _reclaim(self) -> Claim:
+        """Claim the key again for a waiting duplicate that found it free (its first was
+        released, or lapsed), with this request's token; one store round trip."""
+        rt, req = self.rt, self.req
+        policy = req.policy
+        now = rt.clock()
+        claiming = lifecycle.claim(
+            rt.store, req.key, req.fingerprint, self.token, now=now,
+            lease=policy.lease, ttl=policy.ttl, orphaned=rt.orphaned,
+        )  # fmt: skip
+        with rt.observer.store_call("claim", self.span):
+            return await claiming
+
+    def _settled(self) -> None:
+        """This request's claim ended here (completed, released, or left to lapse):
+        duplicates of this process that wait for it read the key now."""
+        if self.req.policy.wait is not None:
+            self.rt.waiters.settled(self.req.key)
 
     async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
         """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
@@ -546,7 +598,11 @@ class Responder:
                 stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
             now = self.rt.clock()
             if self.tx is None:
-                await self._complete(stored, now)
+                try:
+                    await self._complete(stored, now)
+                finally:
+                    if self.req.policy.wait is not None:
+                        self.rt.waiters.settled(self.req.key)
             elif not await self._commit(self.tx, stored, now):
                 self.state = _State.DONE
                 return
@@ -634,6 +690,9 @@ class Responder:
             raise
         except StoreError as exc:
             self.rt.observer.store_error(self.req.route, key, "release", exc)
+        finally:
+            if self.req.policy.wait is not None:
+                self.rt.waiters.settled(key)
 
     async def _unavailable(self, exc: StoreError, phase: str) -> None:
         rt = self.rt

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -112,9 +112,14 @@ async def test_one_hash_per_record_under_the_digest_never_the_raw_key(
     async with tiny(rstore).client() as c:
         r = await c.post("/pay", json={"amount": 1}, headers={"Idempotency-Key": client_key})
         assert r.status_code == 201
-    names = [name async for name in rstore.client.scan_iter(match="*")]
+    names = [name async for name in rstore.client.scan_iter(match="idem:*")]
     digest = scoped_key("", client_key, "test")
     assert names == [f"idem:{{{digest}}}".encode()]
+    # Beside it, the audit's index (a sorted set of digests and the route template).
+    (index,) = [name async for name in rstore.client.scan_iter(match="idem-audit:*")]
+    members = cast(list[bytes], await rstore.client.zrange(index, 0, -1))
+    assert [m.split()[0] for m in members] == [digest.encode()]
+    assert client_key not in repr(members)
     fields = await rstore.client.hgetall(names[0])
     assert set(fields) == {b"h", b"s", b"t", b"c", b"l", b"e", b"rs", b"rh", b"rb"}
     assert client_key not in repr((names, fields))
@@ -682,8 +687,14 @@ async def test_capabilities_are_declared(redis_url: str) -> None:
     store = RedisStore(redis_url)
     try:
         assert capabilities(store) is store.capabilities
+        # prune=False: Redis deletes each record itself when its TTL ends.
         assert store.capabilities == Capabilities(
-            transactions=False, batching=True, stats=True, prune=True
+            transactions=False,
+            batching=True,
+            stats=True,
+            prune=False,
+            audit=True,
+            own_clock=True,  # leases on the server's TIME
         )
     finally:
         await store.close()

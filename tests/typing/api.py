@@ -32,6 +32,7 @@ from asgi_idempotency import (
     BUSY,
     AppNotStarted,
     AttemptsUnknown,
+    AuditableStore,
     BodyTooLarge,
     Bucket,
     CanonicalJSONError,
@@ -76,6 +77,7 @@ from asgi_idempotency import (
     StoreError,
     StoreTransaction,
     StoreUnavailable,
+    SuspectedDuplicate,
     TransactionalStore,
     __version__,
     canonical_json,
@@ -116,6 +118,8 @@ from asgi_idempotency.principals import (
     from_user,
 )
 from asgi_idempotency.stores.base import Busy
+from asgi_idempotency.stores.registry import StoreKind, kind_of, open_store, register
+from asgi_idempotency.testing import StoreContract
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -273,8 +277,42 @@ async def records(store: Store) -> None:
     assert_type(await store.prune(now=NOW, batch_size=500), int)
     assert_type(await store.prune(), int)  # at the store's own time
     await store.prune(NOW)  # type: ignore[call-arg]  # now by keyword
+    audited: AuditableStore = MemoryStore()
+    assert_type(MemoryStore.capabilities.audit, bool)
+    assert_type(MemoryStore.capabilities.own_clock, bool)
+    found = await audited.suspected_duplicates(since=NOW, window=timedelta(minutes=10))
+    assert_type(found, list[SuspectedDuplicate])
+    assert_type(found[0].keys, int)
+    await audited.suspected_duplicates(NOW, timedelta(1))  # type: ignore[call-arg]  # by keyword
+    scoped = NewClaim(
+        "k" * 64,
+        "h",
+        "t",
+        NOW,
+        timedelta(seconds=30),
+        timedelta(days=1),
+        scope_digest="s" * 64,
+        route="/x",
+    )
+    assert_type(scoped.scope_digest, str | None)
     StoredResponse(201, [], b"")  # type: ignore[arg-type]  # headers are a tuple of pairs
     await store.close()
+
+
+def memory_store(url: str, **options: object) -> Store:
+    return MemoryStore()
+
+
+def registry() -> Store:
+    kind = register(StoreKind("mine", ("mine",), memory_store, Capabilities(prune=False)))
+    assert_type(kind.capabilities.migrations, bool)
+    assert_type(kind_of("mine://").why_not("prune"), str)
+    StoreKind("mine", "mine", memory_store)  # type: ignore[arg-type]  # schemes are a tuple
+    return open_store("mine://", command_timeout=2.0)
+
+
+class ContractOnMemory(StoreContract):
+    transactional = False
 
 
 async def transaction(store: TransactionalStore, new: NewClaim, done: StoredResponse) -> None:

@@ -281,6 +281,42 @@ def stamp_head(connection: Connection) -> None:
     _context(connection).stamp(_scripts(), "head")
 
 
+@_quiet
+def upgrade_behind(connection: Connection) -> bool:
+    """Upgrade, on ``connection``, a schema recorded at an older revision this package
+    carries to the head; whether it did.
+
+    For the embedded SQLite default, whose file the app keeps itself: a file made by an
+    earlier version then gains what this version writes with every claim, at its first
+    start, as a fresh file would have it. Runs inside the caller's transaction (SQLite's
+    write lock). Anything else (no revision recorded, an unknown one) is left as it is,
+    for :func:`schema_problem` and ``migrate`` to report.
+    """
+    from alembic.config import Config
+    from alembic.runtime.environment import EnvironmentContext
+
+    from ..stores.schema import metadata
+
+    current = _context(connection).get_current_heads()
+    ours = head()
+    if not current or ours in current or not set(current) <= set(known_revisions()):
+        return False
+    scripts = _scripts()
+
+    def steps(revision: Any, _context: Any) -> Any:
+        return scripts._upgrade_revs(ours, revision)
+
+    with EnvironmentContext(Config(), scripts, fn=steps, destination_rev=ours) as env:
+        env.configure(
+            connection=connection,
+            target_metadata=metadata,
+            version_table=VERSION_TABLE,
+            render_as_batch=connection.dialect.name == "sqlite",
+        )
+        env.run_migrations()
+    return True
+
+
 def _off_the_loop(run: Callable[[], None]) -> None:
     """``run()`` here, or on a thread of its own when this thread runs an event loop.
 

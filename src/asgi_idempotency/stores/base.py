@@ -16,8 +16,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import StoreError
+from .duplicates import SuspectedDuplicate
 
 __all__ = [
+    "AuditableStore",
     "Bucket",
     "Capabilities",
     "NewClaim",
@@ -100,6 +102,11 @@ class NewClaim(NamedTuple):
     now: datetime  # the caller's clock: the time of a store on one host (memory, SQLite)
     lease: timedelta
     ttl: timedelta  # never shorter than lease (lifecycle.claim sees to it)
+    # What the audit groups by (:mod:`.duplicates`), written with the claim at no extra
+    # round trip: a digest of the caller (host and principal, :func:`.keys.scope_digest`)
+    # and the route template. None for claims that are not HTTP requests.
+    scope_digest: str | None = None
+    route: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +135,24 @@ class Capabilities(NamedTuple):
     transactions: bool = False
     # Sends operations that arrive while one is in flight together (this instance).
     batching: bool = False
-    # ``buckets`` and ``count_expired`` answer (``asgi-idempotency stats``, the gauges).
+    # ``buckets`` and ``count_expired`` answer: ``asgi-idempotency stats`` refuses a
+    # store without them (exit 2, saying so).
     stats: bool = True
-    # ``prune`` deletes expired records (the CLI, the pruner).
+    # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
+    # CLI's ``prune``, :class:`~asgi_idempotency.retention.Pruner`). False: the store
+    # deletes them itself when their retention ends (Redis: the key's TTL), and
+    # ``asgi-idempotency prune`` says there is nothing to prune.
     prune: bool = True
+    # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
+    # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
+    migrations: bool = False
+    # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
+    # store keeps each claim's scope digest and route where the audit can find them.
+    audit: bool = False
+    # Leases, take-overs, renewals, completion and expiry are decided on the store's own
+    # clock (a shared database's or Redis's time), whatever ``now`` a caller passes; the
+    # caller's clock decides on a store of one host (memory, SQLite).
+    own_clock: bool = False
 
 
 def capabilities(store: object) -> Capabilities:
@@ -234,6 +255,21 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class AuditableStore(Protocol):
+    """A store that finds likely duplicates keys could not catch (``Capabilities.audit``)."""
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        """Requests claimed at or after ``since`` by one caller, to one route, with one
+        fingerprint, under different keys, each within ``window`` of the one before
+        (:func:`.duplicates.group_sightings`); only ``route``'s when given. An admin
+        query: it reads the claims' scope digests through an index (SQL) or a
+        secondary structure kept for the records' retention (Redis)."""
+        ...
 
 
 @runtime_checkable

@@ -18,13 +18,15 @@ from .base import (
     StoredResponse,
     utcnow,
 )
+from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 
 __all__ = ["MemoryStore"]
 
 # A row is a plain tuple of strings, times, ints and bytes: the garbage collector stops
 # tracking such tuples, so a store of many rows adds nothing to every collection.
-# (request_hash, status, token, created_at, locked_until, expires_at, response)
-_Row = tuple[str, str, str, datetime, datetime, datetime, Any]
+# (request_hash, status, token, created_at, locked_until, expires_at, response,
+#  scope_digest, route)
+_Row = tuple[str, str, str, datetime, datetime, datetime, Any, str | None, str | None]
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
 _COMPLETED = RecordStatus.COMPLETED.value
 
@@ -37,7 +39,7 @@ def _record(key: str, row: _Row) -> Record:
 def _claimed(new: NewClaim) -> _Row:
     now = new.now
     return (new.request_hash, _IN_PROGRESS, new.token, now, now + new.lease, now + new.ttl,
-            None)  # fmt: skip
+            None, new.scope_digest, new.route)  # fmt: skip
 
 
 class MemoryStore:
@@ -46,7 +48,7 @@ class MemoryStore:
     Not shared between processes: with several workers use :class:`SQLStore`.
     """
 
-    capabilities = Capabilities()
+    capabilities = Capabilities(audit=True)
 
     def __init__(self) -> None:
         self._rows: dict[str, _Row] = {}
@@ -59,7 +61,7 @@ class MemoryStore:
         # _claimed(new), inlined: every fresh request comes here.
         now = new.now
         self._rows[key] = (new.request_hash, _IN_PROGRESS, new.token, now, now + new.lease,
-                           now + new.ttl, None)  # fmt: skip
+                           now + new.ttl, None, new.scope_digest, new.route)  # fmt: skip
         return None
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
@@ -88,7 +90,8 @@ class MemoryStore:
         if row is None or row[2] != token or row[1] != _IN_PROGRESS:
             return False
         stored = (response.status, response.headers, response.body)
-        self._rows[key] = (row[0], _COMPLETED, row[2], row[3], row[4], now + ttl, stored)
+        self._rows[key] = (row[0], _COMPLETED, row[2], row[3], row[4], now + ttl, stored,
+                           row[7], row[8])  # fmt: skip
         return True
 
     async def release(self, key: str, token: str) -> bool:
@@ -104,7 +107,8 @@ class MemoryStore:
         locked_until = now + lease
         # Retention never ends before the lease: a live claim is never expired.
         expires_at = max(row[5], locked_until)
-        self._rows[key] = (row[0], row[1], row[2], row[3], locked_until, expires_at, row[6])
+        self._rows[key] = (row[0], row[1], row[2], row[3], locked_until, expires_at, row[6],
+                           row[7], row[8])  # fmt: skip
         return True
 
     async def get(self, key: str) -> Record | None:
@@ -130,6 +134,16 @@ class MemoryStore:
     async def count_expired(self, *, now: datetime | None = None) -> int:
         now = utcnow() if now is None else now
         return sum(1 for r in self._rows.values() if r[5] <= now)
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        sightings = [
+            Sighting(r[7], r[8] or "", r[0], k, r[3])
+            for k, r in self._rows.items()
+            if r[7] is not None and r[3] >= since and (route is None or r[8] == route)
+        ]
+        return group_sightings(sightings, window)
 
     async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         now = utcnow() if now is None else now

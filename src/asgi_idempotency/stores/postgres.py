@@ -423,6 +423,8 @@ def _claim_values(new: NewClaim) -> dict[str, Any]:
         "token": new.token,
         "lease_us": new.lease // _US,
         "ttl_us": new.ttl // _US,
+        "scope_digest": new.scope_digest,
+        "route": new.route,
     }
 
 

@@ -114,7 +114,7 @@ _WATCH_EVERY = 0.01
 # The parameters of each batched statement, from the one-request values dict SQLStore
 # builds, in the order of the arrays (PG_BATCHED[name].names is "<alias>_<column>").
 _FIELDS = {
-    "claim": ("key", "request_hash", "token", "lease_us", "ttl_us"),
+    "claim": ("key", "request_hash", "token", "lease_us", "ttl_us", "scope_digest", "route"),
     "complete": (
         "where_key",
         "where_token",

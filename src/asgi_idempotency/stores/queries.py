@@ -9,6 +9,7 @@ Postgres and SQLite and in :mod:`.mysql` for MariaDB/MySQL.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Delete, Select, delete, func, literal_column, select
@@ -25,6 +26,7 @@ __all__ = [
     "get_query",
     "prune_by_ctid",
     "prune_by_key",
+    "sightings_query",
 ]
 
 
@@ -52,6 +54,32 @@ def buckets_query(now: Any) -> Select[Any]:
 
 def count_expired_query(now: Any) -> Select[Any]:
     return select(func.count()).select_from(_t).where(_t.c.expires_at <= now)
+
+
+def sightings_query(since: datetime, route: str | None) -> Select[Any]:
+    """The audit's candidate rows: since ``since``, one caller's (scope digest) requests
+    with one fingerprint seen under more than one key. Both passes read the index on
+    (scope_digest, request_hash, created_at) alone; the grouping by window is
+    :func:`.duplicates.group_sightings`'."""
+    recent = [_t.c.scope_digest.is_not(None), _t.c.created_at >= since]
+    if route is not None:
+        recent.append(_t.c.route == route)
+    repeated = (
+        select(_t.c.scope_digest, _t.c.request_hash)
+        .where(*recent)
+        .group_by(_t.c.scope_digest, _t.c.request_hash)
+        .having(func.count() > 1)
+        .subquery("repeated")
+    )
+    return (
+        select(_t.c.scope_digest, _t.c.route, _t.c.request_hash, _t.c.key, _t.c.created_at)
+        .join(
+            repeated,
+            (repeated.c.scope_digest == _t.c.scope_digest)
+            & (repeated.c.request_hash == _t.c.request_hash),
+        )
+        .where(*recent)
+    )
 
 
 def _prune_by_key_statement(now: Any, batch_size: int) -> Delete:

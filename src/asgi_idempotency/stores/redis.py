@@ -71,6 +71,7 @@ from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
 from .batching import Batcher, BatchStats
 from .codec import decode_headers, encode_headers
+from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 from .loops import LoopTenure
 from .sqlerrors import ErrorBoundary
 
@@ -81,6 +82,7 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.commands.core import AsyncScript
+    from redis.crc import key_slot
 except ImportError as exc:  # pragma: no cover - exercised by test_public_api in a subprocess
     raise ImportError("RedisStore needs redis-py: pip install 'asgi-idempotency[redis]'") from exc
 
@@ -163,6 +165,17 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # stores answer a completion sent again whose first attempt landed), never a lost
 # claim. A completed row with another response answers 0.
 
+# The audit's index (suspected_duplicates), written by a claim that carries a scope
+# digest, in the same script: ARGV[first] is the index's key (a sorted set in the
+# record's own cluster slot: RedisStore._audit_key), ARGV[first + 1] the member
+# "<scoped key> <scope digest> <request hash> <route>". Scored by the claim's
+# expires_at: members past it are trimmed here, and the set's TTL is at least the
+# record's, so the index lives as long as what it points to and no longer.
+_AUDIT = """local a, m = ARGV[{first}], ARGV[{first} + 1]
+  redis.call('ZREMRANGEBYSCORE', a, '-inf', '(' .. c)
+  redis.call('ZADD', a, e, m)
+  if redis.call('PTTL', a) < tonumber(ttl) then redis.call('PEXPIRE', a, ttl) end"""
+
 # A claim travels as ONE argument, "lease_us ttl_us #h h token"
 # (_claim_args): each argument is a round of redis-py's encoding and packing (several
 # isinstance checks and a length header each), and Lua splits the string for next to
@@ -182,13 +195,17 @@ _NOW = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 """
-# The claim's deadlines from the server's time: created, locked_until, expires_at
-# (integers as text: Lua's own number formatting would round them) and the key's TTL
-# in whole milliseconds, rounded up, at least 1 (0 would delete it).
-_CLAIMED = (
-    _NOW
-    + """
-local lease, ttl_us, n, rest = string.match(ARGV[#ARGV], '^(%d+) (%d+) (%d+) (.*)$')
+
+
+def _claim_script(arg: int) -> str:
+    """The claim in ``ARGV[arg]`` taken apart, and its deadlines from the server's time:
+    created, locked_until, expires_at (integers as text: Lua's own number formatting
+    would round them) and the key's TTL in whole milliseconds, rounded up, at least 1
+    (0 would delete it)."""
+    return (
+        _NOW
+        + f"local lease, ttl_us, n, rest = string.match(ARGV[{arg}], '^(%d+) (%d+) (%d+) (.*)$')"
+        + """
 n = tonumber(n)
 local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
 local c = string.format('%d', now)
@@ -198,10 +215,11 @@ local ttl = math.ceil(tonumber(ttl_us) / 1000)
 if ttl < 1 then ttl = 1 end
 ttl = string.format('%d', ttl)
 """
-)
+    )
+
 
 _INSERT = (
-    _CLAIMED
+    _claim_script(1)
     + """
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
@@ -213,6 +231,12 @@ if row[1] then
 end
 redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
+if ARGV[2] then
+"""
+    + "  "
+    + _AUDIT.format(first=2)
+    + """
+end
 return 0
 """
 )
@@ -220,7 +244,7 @@ return 0
 # KEYS[1]; ARGV old token, old status, old locked_until, the claim (as _INSERT's).
 # Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = (
-    _CLAIMED
+    _claim_script(4)
     + """
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
 if row[1] == t then return 1 end
@@ -228,6 +252,12 @@ if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
 redis.call('PEXPIRE', KEYS[1], ttl)
+if ARGV[5] then
+"""
+    + "  "
+    + _AUDIT.format(first=5)
+    + """
+end
 return 1
 """
 )
@@ -349,6 +379,23 @@ def _escape_glob(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
 
 
+# A hash tag for each cluster slot (index = slot), built on first use: the audit's set
+# of a slot is named with its slot's tag (RedisStore._audit_key).
+_SLOT_TAGS: list[str] = []
+
+
+def _slot_tag(slot: int) -> str:
+    if not _SLOT_TAGS:
+        tags: dict[int, str] = {}
+        i = 0
+        while len(tags) < 16384:
+            tag = f"audit-{i}"
+            tags.setdefault(key_slot(tag.encode()), tag)
+            i += 1
+        _SLOT_TAGS.extend(tags[n] for n in range(16384))
+    return _SLOT_TAGS[slot]
+
+
 def _split_url(url: str) -> tuple[str, bool]:
     """(the URL redis-py reads, whether it names a cluster)."""
     parts = urlsplit(url)
@@ -459,8 +506,15 @@ class RedisStore:
         self._batchers: dict[str, Batcher[_Op, Any]] = {}
         # No transactions (a handler's writes cannot join a Lua script); stats and
         # prune by SCAN over every primary.
-        self.capabilities = Capabilities(transactions=False, batching=self.batching)
+        self.capabilities = Capabilities(
+            transactions=False, batching=self.batching, prune=False, audit=True, own_clock=True
+        )
         self._prefix = f"{key_prefix}:{{"
+        # The audit's sorted sets (_audit_key): outside the records' SCAN pattern.
+        self._audit_prefix = f"{key_prefix}-audit:{{"
+        self._cluster = isinstance(self.client, RedisCluster)
+        if self._cluster:
+            _slot_tag(0)  # the tags, built here rather than in the first claim
         self._match = _escape_glob(self._prefix)  # SCAN MATCH: the prefix as text
         self._wait = wait_replicas
         self._wait_ms = max(1, round(wait_timeout * 1000))
@@ -771,7 +825,20 @@ class RedisStore:
         # len(h) in characters is its length in bytes only for ASCII (our hashes are hex
         # digests); anything else is measured as the bytes Lua will count.
         n = len(h) if h.isascii() else len(h.encode())
-        return [f"{new.lease // _US} {new.ttl // _US} {n} {h}{new.token}"]
+        claim = f"{new.lease // _US} {new.ttl // _US} {n} {h}{new.token}"
+        if new.scope_digest is None:
+            return [claim]
+        # The audit's index entry rides in the same script (_AUDIT): no round trip.
+        member = f"{new.key} {new.scope_digest} {h} {new.route or ''}"
+        return [claim, self._audit_key(new.key), member]
+
+    def _audit_key(self, key: str) -> str:
+        """The audit index that ``key``'s claims write: one sorted set per cluster slot,
+        in the record's own slot so that the claim script touches one slot; one set on
+        a single server."""
+        if not self._cluster:
+            return f"{self._audit_prefix}audit}}"
+        return f"{self._audit_prefix}{_slot_tag(key_slot(self._key(key).encode()))}}}"
 
     async def insert(self, new: NewClaim) -> Record | None:
         try:
@@ -952,6 +1019,35 @@ class RedisStore:
             rows = await self._fields(batch, "e")
             total += sum(1 for (e,) in rows if e is not None and int(e) <= at)
         return total
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        """From the audit's sorted sets (every primary's, by SCAN): the entries of one
+        scope and fingerprint under several keys, each checked against its record (a
+        released record, or one claimed again for another request, is not a sighting)."""
+        names = [name async for name in self._scan(f"{_escape_glob(self._audit_prefix)}*")]
+        groups: dict[tuple[str, str], dict[str, str]] = {}
+        for start in range(0, len(names), _BATCH):
+            pipe: Any = self.client.pipeline(transaction=False)
+            for name in names[start : start + _BATCH]:
+                pipe.zrange(name, 0, -1)
+            for members in await _call(pipe.execute(), self._timeout):
+                for member in members:
+                    key, scope, h, path = member.decode().split(" ", 3)
+                    if route is None or path == route:
+                        groups.setdefault((scope, h), {})[key] = path
+        candidates = [(scope, h, key, path) for (scope, h), keys in groups.items()
+                      if len(keys) > 1 for key, path in keys.items()]  # fmt: skip
+        sightings: list[Sighting] = []
+        at = _us(since)
+        for start in range(0, len(candidates), _BATCH):
+            chunk = candidates[start : start + _BATCH]
+            rows = await self._fields([self._key(c[2]).encode() for c in chunk], "h", "c")
+            for (scope, h, key, path), (stored_h, created) in zip(chunk, rows, strict=True):
+                if stored_h is not None and stored_h.decode() == h and int(created) >= at:
+                    sightings.append(Sighting(scope, path, h, key, _time(created)))
+        return group_sightings(sightings, window)
 
     async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         """Delete up to ``batch_size`` records whose ``expires_at <= now`` that remain.

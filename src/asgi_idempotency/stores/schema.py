@@ -95,23 +95,48 @@ records = Table(
     Column("response_status", Integer, nullable=True),
     Column("response_headers", _blob(), nullable=True),
     Column("response_body", _blob(), nullable=True),
+    # For the audit of likely duplicates (stores/duplicates.py), written by every HTTP
+    # claim: sha256 hex of the caller's host and principal (never the principal in
+    # clear), and the route template. NULL on records of other kinds and on rows
+    # written before revision 0003.
+    Column("scope_digest", _ascii(64), nullable=True),
+    Column("route", String(255), nullable=True),
 )
 
 # Serves prune (expires_at <= now) without a sequential scan.
 Index("ix_idempotency_records_expires_at", records.c.expires_at)
+# Serves the audit: one caller's rows with one fingerprint, in time order.
+Index(
+    "ix_idempotency_records_scope",
+    records.c.scope_digest,
+    records.c.request_hash,
+    records.c.created_at,
+)
 
 
 def create_tables(conn: Connection) -> None:
     """The table and its indexes from the one ``Table``; the migrations' head, if created now.
 
+    A table that exists and records an older revision this package carries is upgraded
+    to the head first (the embedded SQLite default has no operator to run ``migrate``).
+
     Each backend runs it under its own guard against a second process doing the same
     (:attr:`.dialect.SQLDialect.create_schema`).
     """
-    from ..migrations import stamp_head
+    from ..migrations import stamp_head, upgrade_behind
 
     created = not inspect(conn).has_table(records.name)
     conn.execute(CreateTable(records, if_not_exists=True))
-    for index in records.indexes:
-        conn.execute(CreateIndex(index, if_not_exists=True))
+    if not created:
+        # A table an earlier version made (an embedded SQLite file, above all): brought
+        # to the head when it records an older revision.
+        upgrade_behind(conn)
+    columns = {column["name"] for column in inspect(conn).get_columns(records.name)}
+    # In the order the migrations create them (a set has none), so that a table built
+    # here reads the same as a migrated one (SHOW CREATE TABLE lists keys in order).
+    # An index on columns an unmigrated table lacks is left to `migrate`.
+    for index in sorted(records.indexes, key=lambda index: str(index.name)):
+        if {column.name for column in index.columns} <= columns:
+            conn.execute(CreateIndex(index, if_not_exists=True))
     if created:
         stamp_head(conn)

@@ -52,8 +52,9 @@ from .base import (
 )
 from .codec import as_time, encode_headers, to_record
 from .dialect import MAX_BATCH, HotPath, HotPathOptions, Op, SQLDialect, dialect_named
+from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 from .loops import LoopTenure
-from .queries import buckets_query, count_expired_query, find_query, get_query
+from .queries import buckets_query, count_expired_query, find_query, get_query, sightings_query
 from .statements import CALLER_CLOCK
 
 __all__ = ["SQLStore"]
@@ -131,7 +132,11 @@ class SQLStore:
             raise ValueError(f"SQLStore does not batch on {spec.label} yet: pass batching=False")
         self.batching: bool = spec.batching if batching is None else batching
         self.capabilities = Capabilities(
-            transactions=spec.transaction is not None, batching=self.batching
+            transactions=spec.transaction is not None,
+            batching=self.batching,
+            migrations=True,
+            audit=True,
+            own_clock=spec.clock is not None,
         )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._command_timeout = command_timeout
@@ -255,6 +260,8 @@ class SQLStore:
                 "token": new.token,
                 "lease_us": new.lease // _US,
                 "ttl_us": new.ttl // _US,
+                "scope_digest": new.scope_digest,
+                "route": new.route,
             }
         when, now = self._time, new.now
         return {
@@ -263,6 +270,8 @@ class SQLStore:
             "now": when(now),
             "locked_until": when(now + new.lease),
             "expires_at": when(now + new.ttl),
+            "scope_digest": new.scope_digest,
+            "route": new.route,
         }
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
@@ -385,6 +394,16 @@ class SQLStore:
     async def count_expired(self, *, now: datetime | None = None) -> int:
         rows = await self._all(count_expired_query(self._now(now)))
         return int(rows[0][0])
+
+    async def suspected_duplicates(
+        self, *, since: datetime, window: timedelta, route: str | None = None
+    ) -> list[SuspectedDuplicate]:
+        rows = await self._all(sightings_query(since, route))
+        return group_sightings(
+            (Sighting(scope, path or "", fingerprint, key, as_time(created))
+             for scope, path, fingerprint, key, created in rows),
+            window,
+        )  # fmt: skip
 
     async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         if asyncio.get_running_loop() is not self._loop:

@@ -142,6 +142,9 @@ def _claimed_row(clock: Clock) -> dict[str, Any]:
         "created_at": clock.now,
         "locked_until": clock.lease,
         "expires_at": clock.ttl,
+        # The audit's scope digest and route (NULL for claims that are not HTTP requests).
+        "scope_digest": bindparam("scope_digest", type_=_TEXT),
+        "route": bindparam("route", type_=_TEXT),
     }
 
 
@@ -362,15 +365,28 @@ def _pg_claim_many() -> Select[Any]:
         ("token", _TEXT),
         ("lease_us", _MICROSECONDS),
         ("ttl_us", _MICROSECONDS),
+        ("scope_digest", _TEXT),
+        ("route", _TEXT),
     )
     v = select(rows).where(_lock_wait()).cte("v")
     after = _pg_after(_PG_NOW)
     ins = (
         pg_insert(_t)
         .from_select(
-            ["key", "request_hash", "status", "token", "created_at", "locked_until", "expires_at"],
+            [
+                "key",
+                "request_hash",
+                "status",
+                "token",
+                "created_at",
+                "locked_until",
+                "expires_at",
+                "scope_digest",
+                "route",
+            ],
             select(v.c.key, v.c.request_hash, _IN_PROGRESS, v.c.token)
             .add_columns(_PG_NOW, after(v.c.lease_us), after(v.c.ttl_us))
+            .add_columns(v.c.scope_digest, v.c.route)
             .order_by(v.c.key),
         )
         .on_conflict_do_nothing(index_elements=[_t.c.key])

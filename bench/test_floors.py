@@ -1,4 +1,5 @@
-"""The benchmark's floors hold what ``bench.run`` says they hold (issue #34).
+"""The benchmark's floors hold what ``bench.run`` says they hold (issue #34); the lab's own
+check, run by hand (`python -m pytest bench/test_floors.py`): the tests never import the lab.
 
 Each floor on a networked store opens one connection per load connection when it
 starts, counted from outside the driver (``/proc``, as ``bench.run`` checks after its

@@ -1,30 +1,149 @@
-"""One contract, every store: memory, SQLite, Postgres, MariaDB and Redis answer the same.
+"""The store contract: the pytest tests every store passes, ours and anyone's.
 
-Leases and retention are decided on the store's clock where it is shared (Postgres,
-MariaDB, Redis) and on the caller's elsewhere (memory, SQLite): a test that lets a
-lease or a ttl run out does it through ``StoreClock``, which moves the caller's clock
-on one host and waits for real time on a shared store (with short leases there).
+Subclass :class:`StoreContract` in a test module, under a name pytest collects
+(``Test…``), and override its ``store`` fixture to yield an *empty* store (the tests
+use fixed keys); pytest runs every contract test on it, on asyncio through anyio's
+pytest plugin::
+
+    class TestMyStore(StoreContract):
+        @pytest.fixture
+        async def store(self) -> AsyncIterator[Store]:
+            opened = MyStore(...)
+            yield opened
+            await opened.close()
+
+What it pins: one owner per key (concurrent claims and take-overs have one winner);
+``complete``, ``release`` and ``renew`` fenced by the claim's token; completing a
+completed row answers False; ``replace`` a compare-and-swap on the row as read; renewal
+moves the lease and never lets retention end before it; an ``insert`` meeting its own
+token never answers another owner's row; expiry and ``prune``; the regenerated-key
+detector working through the store's ``insert``; leases and retention decided on the
+store's own clock where it declares one (``Capabilities.own_clock``).
+
+A test that lets a lease or a ttl run out does it through :class:`StoreClock`: on a
+store of one host it moves the caller's clock; on a store with a clock of its own it
+waits for real time, with leases of a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
-from asgi_idempotency import (
-    ClaimOutcome,
-    RecordStatus,
-    StoredResponse,
-    lifecycle,
+from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse, lifecycle
+from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency.regenerated import RegeneratedKeys
+from asgi_idempotency.stores.base import (
+    BUSY,
+    NewClaim,
+    Store,
+    StoreTransaction,
+    TransactionalStore,
+    capabilities,
+    utcnow,
 )
-from asgi_idempotency.stores.base import NewClaim, Store, utcnow
-from asgi_idempotency.stores.redis import RedisStore
-from tests.conftest import Claimant, StoreClock
 
-pytestmark = pytest.mark.anyio
+__all__ = ["Claimant", "StoreClock", "StoreContract"]
+
+
+class Claimant:
+    """Claims made as the middleware makes them: on the store, or in a transaction of it.
+
+    In the transactional mode an owned claim keeps its transaction (and the key's
+    lock) open until :meth:`complete` commits it or :meth:`release` rolls it back.
+    """
+
+    def __init__(self, store: Store, *, transactional: bool) -> None:
+        self.store = store
+        self.transactional = transactional
+        self._held: dict[str, tuple[AsyncExitStack, StoreTransaction]] = {}
+
+    async def claim(
+        self, key: str, request_hash: str, token: str, *, now: datetime,
+        lease: timedelta, ttl: timedelta,
+    ) -> Claim:  # fmt: skip
+        times: dict[str, Any] = {"now": now, "lease": lease, "ttl": ttl}
+        if not self.transactional:
+            return await lifecycle.claim(self.store, key, request_hash, token, **times)
+        assert isinstance(self.store, TransactionalStore)
+        stack = AsyncExitStack()
+        tx = await stack.enter_async_context(self.store.transaction())
+        try:
+            claim = await lifecycle.claim(tx, key, request_hash, token, **times)
+        except BaseException:
+            await stack.aclose()
+            raise
+        if claim.owned:
+            self._held[token] = (stack, tx)
+        else:
+            await stack.aclose()
+        return claim
+
+    async def complete(
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
+    ) -> bool:
+        if not self.transactional:
+            return await self.store.complete(key, token, response, now=now, ttl=ttl)
+        stack, tx = self._held.pop(token)
+        async with stack:
+            await tx.commit(key, token, response, now=now, ttl=ttl)
+        return True
+
+    async def release(self, key: str, token: str) -> bool:
+        if not self.transactional:
+            return await self.store.release(key, token)
+        stack, _ = self._held.pop(token)
+        await stack.aclose()  # leaving without commit rolls the claim back
+        return True
+
+    async def close(self) -> None:
+        for stack, _ in self._held.values():
+            await stack.aclose()
+        self._held.clear()
+
+
+class StoreClock:
+    """The clock a store decides leases with, for a test that lets a lease or a ttl run out.
+
+    On a store of one host (memory, SQLite, one's own dict) the store takes the caller's
+    ``now``: this clock, moved at will, with leases of ``unit`` = 30 s. A store that
+    declares a clock of its own (``Capabilities.own_clock``: Postgres, MariaDB, Redis)
+    decides on its own time, which only real time moves: ``unit`` is then one second,
+    and moving the clock is sleeping. Pass it as a middleware's or ``Once``'s ``clock``.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.shared = capabilities(store).own_clock
+        self.unit = timedelta(seconds=1) if self.shared else timedelta(seconds=30)
+        self.now = utcnow() if self.shared else datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return utcnow() if self.shared else self.now
+
+    @property
+    def cutoff(self) -> datetime | None:
+        """An admin query's ``now``: ``None`` (the store's own time) where it has one."""
+        return None if self.shared else self.now
+
+    async def advance(self, by: timedelta) -> datetime:
+        if self.shared:
+            await asyncio.sleep(by.total_seconds())
+            self.now = utcnow()
+        else:
+            self.now += by
+        return self.now
+
+    async def past(self, span: timedelta) -> datetime:
+        """Move past the end of a ``span`` that began now (by a fifth of a unit)."""
+        return await self.advance(span + self.unit / 5)
+
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -165,8 +284,9 @@ async def test_prune_deletes_only_expired_rows_in_batches(store: Store) -> None:
         )
     await clock.advance(clock.unit * 3.5)  # past three of the five ttls
     pruned = [await store.prune(now=clock.cutoff, batch_size=2) for _ in range(3)]
-    # Redis's own key expiry, on the same clock and ttl, got there first.
-    assert pruned == ([0, 0, 0] if isinstance(store, RedisStore) else [2, 1, 0])
+    # A store that expires records itself (Redis: the key's TTL, on the same clock and
+    # ttl) got there first.
+    assert pruned == ([2, 1, 0] if capabilities(store).prune else [0, 0, 0])
     assert [await store.get(f"{i:064d}") is None for i in range(5)] == [True] * 3 + [False] * 2
     assert await store.get(f"{4:064d}") is not None
 
@@ -439,3 +559,113 @@ async def test_leases_and_retention_are_decided_on_the_stores_clock(store: Store
     await clock.past(clock.unit)
     late = await claim(store, key=other, now=utcnow() - skew)
     assert late.outcome is ClaimOutcome.TAKEN_OVER
+
+
+# Records written with one token by one call: a store that retries an insert whose
+# answer it lost (a dropped connection, a batch sent again) meets its own row.
+
+
+async def test_an_insert_meeting_its_own_token_never_answers_another_owner(store: Store) -> None:
+    new = NewClaim(KEY, "h1", tok(), T0, LEASE, TTL)
+    assert await store.insert(new) is None
+    again = await store.insert(new)
+    # Inserted (the store recognised its first attempt), or the very row it wrote.
+    assert again is not BUSY
+    assert again is None or (again.token, again.request_hash) == (new.token, "h1"), again
+    other = NewClaim(KEY, "h1", tok(), T0, LEASE, TTL)
+    found = await store.insert(other)
+    assert found is not None
+    assert found is not BUSY
+    assert found.token == new.token
+
+
+# The regenerated-key detector writes its markers through the store's own insert: it
+# must see, on every store, the same request sent under another key.
+
+
+async def test_the_regenerated_key_detector_flags_a_request_under_another_key(
+    store: Store,
+) -> None:
+    clock = StoreClock(store)
+    window = 2 * clock.unit  # its markers expire on the store's clock, as claims do
+    detector = RegeneratedKeys(window)
+    caller: dict[str, Any] = {"host": "shop.example", "principal": "u1", "fingerprint": "f" * 64}
+    first, second, third = "1" * 64, "2" * 64, "3" * 64
+    assert await detector.check(store, key=first, now=clock.now, **caller) is None
+    # The same key again (a retry done right): nothing to say.
+    at = await clock.advance(clock.unit / 10)
+    assert await detector.check(store, key=first, now=at, **caller) is None
+    at = await clock.advance(clock.unit / 10)
+    assert await detector.check(store, key=second, now=at, **caller) == first
+    assert await detector.check(store, key=third, now=at, **caller) == first
+    # Another caller, or another request, is never flagged.
+    other = {**caller, "principal": "u2"}
+    assert await detector.check(store, key=second, now=at, **other) is None
+    # Past the window a sighting starts a new one, which flags the next key.
+    later = await clock.past(window)
+    assert await detector.check(store, key=second, now=later, **caller) is None
+    assert await detector.check(store, key=third, now=later, **caller) == second
+
+
+class StoreContract:
+    """The store contract as pytest tests: subclass it and override ``store``.
+
+    Every ``test_*`` function of this module is a test of the class; pytest collects
+    them on a subclass whose name starts with ``Test``. Fixtures:
+
+    - ``store`` (override it): an empty store, closed afterwards;
+    - ``claimant``: claims as the middleware makes them, on ``store`` (or, with
+      ``transactional = True``, in a transaction of it);
+    - ``anyio_backend``: ``"asyncio"``.
+    """
+
+    pytestmark = pytest.mark.anyio
+
+    #: Claim in transactions of the store (a :class:`TransactionalStore`).
+    transactional = False
+
+    @pytest.fixture
+    def anyio_backend(self) -> str:
+        return "asyncio"
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise pytest.UsageError(  # pragma: no cover - a user's first run without the fixture
+            f"{type(self).__name__} runs the store contract: override its `store` fixture "
+            "to yield an empty store of yours (see asgi_idempotency.testing.StoreContract)"
+        )
+
+    @pytest.fixture
+    async def claimant(self, store: Store) -> AsyncIterator[Claimant]:
+        claims = Claimant(store, transactional=self.transactional)
+        try:
+            yield claims
+        finally:
+            await claims.close()
+
+
+def _method(test: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """``test`` as a method of the class: the same fixtures (its signature after ``self``)
+    and marks, so pytest and anyio's plugin see a coroutine method like any other."""
+
+    async def method(self: StoreContract, /, **fixtures: Any) -> None:
+        await test(**fixtures)
+
+    signature = inspect.signature(test)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[this, *signature.parameters.values()]
+    )
+    method.__name__ = method.__qualname__ = test.__name__
+    method.__doc__ = test.__doc__
+    if hasattr(test, "pytestmark"):
+        method.pytestmark = test.pytestmark  # type: ignore[attr-defined]
+    return method
+
+
+# Each test of the module as a test of the class: the bodies stay plain functions of
+# their fixtures, as written above.
+for _name, _test in list(globals().items()):
+    if _name.startswith("test_") and inspect.iscoroutinefunction(_test):
+        setattr(StoreContract, _name, _method(_test))
+del _name, _test
