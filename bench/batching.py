@@ -43,6 +43,7 @@ from bench.harness import log
 
 NOW = datetime.now(UTC)
 LEASE, TTL = timedelta(seconds=30), timedelta(days=1)
+US = timedelta(microseconds=1)
 HEADERS = b'[["content-type","application/json"]]'
 BODY = b'{"refund_id":"x"}'
 
@@ -99,22 +100,19 @@ async def store_level(
         async def op() -> None:
             key, token = f"{run}{next(counter):056d}", uuid.uuid4().hex
             now = datetime.now(UTC)
-            await lifecycle.claim(
-                store, key, "h", token, now=now, locked_until=now + LEASE, expires_at=now + TTL
-            )
-            await store.complete(key, token, response, expires_at=now + TTL)
+            await lifecycle.claim(store, key, "h", token, now=now, lease=LEASE, ttl=TTL)
+            await store.complete(key, token, response, now=now, ttl=TTL)
 
         return op
 
     async def floor_op() -> None:
         key, token = f"{run}{next(counter):056d}", uuid.uuid4().hex
-        now = datetime.now(UTC)
         claim_args = claim_stmt.args(
-            {"key": key, "request_hash": "h", "token": token, "now": now,
-             "locked_until": now + LEASE, "expires_at": now + TTL}
+            {"key": key, "request_hash": "h", "token": token,
+             "lease_us": LEASE // US, "ttl_us": TTL // US}
         )  # fmt: skip
         complete_args = complete_stmt.args(
-            {"where_key": key, "where_token": token, "expires_at": now + TTL,
+            {"where_key": key, "where_token": token, "ttl_us": TTL // US,
              "response_status": 201, "response_headers": HEADERS, "response_body": BODY}
         )  # fmt: skip
         async with pool.acquire() as c:

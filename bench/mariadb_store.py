@@ -32,7 +32,7 @@ from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.stores.statements import MYSQL
 
 NOW = datetime.now(UTC)
-LEASE, TTL = NOW + timedelta(seconds=30), NOW + timedelta(days=1)
+LEASE, TTL = timedelta(seconds=30), timedelta(days=1)
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"refund_id":"x"}')
 HEADERS = b'[["content-type","application/json"]]'
 
@@ -55,10 +55,10 @@ async def ours(url: str, n: int, concurrency: int) -> float:
 
         async def pair(_: int) -> None:
             key, token = os.urandom(32).hex(), os.urandom(16).hex()
-            won = await claim(store, key, "h" * 64, token, now=NOW, locked_until=LEASE,
-                              expires_at=TTL)  # fmt: skip
+            won = await claim(store, key, "h" * 64, token, now=NOW, lease=LEASE,
+                              ttl=TTL)  # fmt: skip
             assert won.owned
-            assert await store.complete(key, token, RESPONSE, expires_at=TTL)
+            assert await store.complete(key, token, RESPONSE, now=NOW, ttl=TTL)
 
         return await measure(pair, n, concurrency)
     finally:
@@ -72,8 +72,8 @@ async def raw(url: str, n: int, concurrency: int, *, prepared: bool) -> float:
                               password=u.password or "", database=u.database, autocommit=True)
         for _ in range(concurrency)
     ]  # fmt: skip
-    naive = {"now": NOW, "locked_until": LEASE, "expires_at": TTL}
-    naive = {k: v.astimezone(UTC).replace(tzinfo=None) for k, v in naive.items()}
+    us = timedelta(microseconds=1)
+    durations = {"lease_us": LEASE // us, "ttl_us": TTL // us}  # the server's clock decides
     claim_sql, complete_sql = MYSQL["claim"].sql, MYSQL["complete"].sql
     free: asyncio.Queue[tuple[Any, Any, Any]] = asyncio.Queue()
     for conn in conns:
@@ -84,9 +84,10 @@ async def raw(url: str, n: int, concurrency: int, *, prepared: bool) -> float:
 
     async def pair(_: int) -> None:
         key, token = os.urandom(32).hex(), os.urandom(16).hex()
-        ins = MYSQL["claim"].args({"key": key, "request_hash": "h" * 64, "token": token, **naive})
+        claim = {"key": key, "request_hash": "h" * 64, "token": token, **durations}
+        ins = MYSQL["claim"].args(claim)
         done = MYSQL["complete"].args({
-            "where_key": key, "where_token": token, "expires_at": naive["expires_at"],
+            "where_key": key, "where_token": token, "ttl_us": durations["ttl_us"],
             "response_status": 201, "response_headers": HEADERS, "response_body": RESPONSE.body,
         })  # fmt: skip
         conn, claim_stmt, complete_stmt = await free.get()

@@ -45,10 +45,10 @@ async def _loop(store: RedisStore, n: int) -> list[float]:
         key, token = uuid.uuid4().hex * 2, uuid.uuid4().hex
         started = time.perf_counter()
         now = datetime.now(UTC)
-        claim = await lifecycle.claim(store, key, "h", token, now=now, locked_until=now + LEASE,
-                                      expires_at=now + TTL)  # fmt: skip
+        claim = await lifecycle.claim(store, key, "h", token, now=now, lease=LEASE,
+                                      ttl=TTL)  # fmt: skip
         assert claim.owned
-        assert await store.complete(key, token, RESPONSE, expires_at=now + TTL)
+        assert await store.complete(key, token, RESPONSE, now=now, ttl=TTL)
         times.append(time.perf_counter() - started)
     return times
 

@@ -38,7 +38,7 @@ async def _cell(path: str, workload: str, concurrency: int, n: int) -> float:
     from asgi_idempotency.stores.base import StoredResponse
 
     now = datetime.now(UTC)
-    lease, ttl = now + timedelta(seconds=30), now + timedelta(days=1)
+    lease, ttl = timedelta(seconds=30), timedelta(days=1)
     response = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":"x"}')
     # SQLStore's batching argument; older code, compared from a git ref, has none.
     batching = os.environ.get("BENCH_SQLITE_BATCH")
@@ -46,16 +46,16 @@ async def _cell(path: str, workload: str, concurrency: int, n: int) -> float:
     store = SQLStore(f"sqlite+aiosqlite:///{path}", **kwargs)
     await store.create_all()
     run = uuid.uuid4().hex[:8]
-    await claim(store, f"{run}-r", "h", "t", now=now, locked_until=lease, expires_at=ttl)
-    await store.complete(f"{run}-r", "t", response, expires_at=ttl)
+    await claim(store, f"{run}-r", "h", "t", now=now, lease=lease, ttl=ttl)
+    await store.complete(f"{run}-r", "t", response, now=now, ttl=ttl)
 
     async def fresh(i: int) -> None:
         key, token = f"{run}-{i}-{uuid.uuid4().hex}", uuid.uuid4().hex
-        await claim(store, key, "h", token, now=now, locked_until=lease, expires_at=ttl)
-        await store.complete(key, token, response, expires_at=ttl)
+        await claim(store, key, "h", token, now=now, lease=lease, ttl=ttl)
+        await store.complete(key, token, response, now=now, ttl=ttl)
 
     async def replay(i: int) -> None:
-        await claim(store, f"{run}-r", "h", "t2", now=now, locked_until=lease, expires_at=ttl)
+        await claim(store, f"{run}-r", "h", "t2", now=now, lease=lease, ttl=ttl)
 
     op = fresh if workload == "fresh" else replay
     sem = asyncio.Semaphore(concurrency)

@@ -24,7 +24,7 @@ from asgi_idempotency.stores.statements import PG
 from bench.app import floor_pool
 
 NOW = datetime.now(UTC)
-LEASE, TTL = NOW + timedelta(seconds=30), NOW + timedelta(days=1)
+LEASE, TTL = timedelta(seconds=30), timedelta(days=1)
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"refund_id":"x"}')
 HEADERS = b'[["content-type","application/json"]]'
 
@@ -69,13 +69,13 @@ async def main() -> None:
     pool = await floor_pool(args.pg, args.concurrency)
     claim_sql, complete_sql = PG["claim"].sql, PG["complete"].sql
     run = uuid.uuid4().hex[:8]
-    await claim(store, f"{run}-r", "h", "t", now=NOW, locked_until=LEASE, expires_at=TTL)
-    await store.complete(f"{run}-r", "t", RESPONSE, expires_at=TTL)
+    await claim(store, f"{run}-r", "h", "t", now=NOW, lease=LEASE, ttl=TTL)
+    await store.complete(f"{run}-r", "t", RESPONSE, now=NOW, ttl=TTL)
 
     async def ours_fresh(i: int) -> None:
         key, token = f"{run}-o-{i}-{uuid.uuid4().hex}", uuid.uuid4().hex
-        await claim(store, key, "h", token, now=NOW, locked_until=LEASE, expires_at=TTL)
-        await store.complete(key, token, RESPONSE, expires_at=TTL)
+        await claim(store, key, "h", token, now=NOW, lease=LEASE, ttl=TTL)
+        await store.complete(key, token, RESPONSE, now=NOW, ttl=TTL)
 
     async def raw_fresh(i: int) -> None:
         key, token = f"{run}-f-{i}-{uuid.uuid4().hex}", uuid.uuid4().hex
@@ -85,7 +85,7 @@ async def main() -> None:
             await c.execute(complete_sql, TTL, 201, HEADERS, RESPONSE.body, key, token)
 
     async def ours_replay(i: int) -> None:
-        await claim(store, f"{run}-r", "h", "t2", now=NOW, locked_until=LEASE, expires_at=TTL)
+        await claim(store, f"{run}-r", "h", "t2", now=NOW, lease=LEASE, ttl=TTL)
 
     async def raw_replay(i: int) -> None:
         async with pool.acquire() as c:

@@ -8,7 +8,7 @@ primitives, then put them on a database every worker shares.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from asgi_idempotency.stores.base import (
     Bucket,
@@ -17,6 +17,7 @@ from asgi_idempotency.stores.base import (
     Record,
     RecordStatus,
     StoredResponse,
+    utcnow,
 )
 from asgi_idempotency.stores.registry import StoreKind, register
 
@@ -26,7 +27,9 @@ IN_PROGRESS, COMPLETED = RecordStatus.IN_PROGRESS, RecordStatus.COMPLETED
 class DictStore:
     """Each method is atomic: it holds the lock from its read to its write."""
 
-    capabilities = Capabilities()  # no transactions, no batching; stats and prune
+    # No transactions, no batching, no clock of its own (the caller's now decides its
+    # leases: one process); stats and prune.
+    capabilities = Capabilities()
 
     # Built by the registry as factory(url, **options); the CLI passes command_timeout.
     def __init__(self, url: str = "dict://", *, command_timeout: float = 5.0) -> None:
@@ -40,7 +43,7 @@ class DictStore:
                 return self.rows[new.key]
             self.rows[new.key] = Record(
                 new.key, new.request_hash, IN_PROGRESS, new.token,
-                new.now, new.locked_until, new.expires_at,
+                new.now, new.now + new.lease, new.now + new.ttl,
             )  # fmt: skip
             return None
 
@@ -51,7 +54,7 @@ class DictStore:
                 return False
             self.rows[new.key] = Record(
                 new.key, new.request_hash, IN_PROGRESS, new.token,
-                new.now, new.locked_until, new.expires_at,
+                new.now, new.now + new.lease, new.now + new.ttl,
             )  # fmt: skip
             return True
 
@@ -60,15 +63,13 @@ class DictStore:
         return row if row and row.token == token and row.status is IN_PROGRESS else None
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         async with self.lock:
             row = self._owned(key, token)  # a completed row is never completed again
             if row is None:
                 return False
-            self.rows[key] = row._replace(
-                status=COMPLETED, response=response, expires_at=expires_at
-            )
+            self.rows[key] = row._replace(status=COMPLETED, response=response, expires_at=now + ttl)
             return True
 
     async def release(self, key: str, token: str) -> bool:
@@ -78,11 +79,12 @@ class DictStore:
             del self.rows[key]
             return True
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         async with self.lock:
             row = self._owned(key, token)
             if row is None:
                 return False
+            locked_until = now + lease
             # Retention never ends before the lease: a live claim is never expired.
             expires_at = max(row.expires_at, locked_until)
             self.rows[key] = row._replace(locked_until=locked_until, expires_at=expires_at)
@@ -94,7 +96,8 @@ class DictStore:
     async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
         return sorted((r for k, r in self.rows.items() if k.startswith(prefix)))[:limit]
 
-    async def buckets(self, *, now: datetime) -> list[Bucket]:
+    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
+        now = utcnow() if now is None else now
         groups: dict[tuple[RecordStatus, bool, bool], list[Record]] = {}
         for row in self.rows.values():
             group = (row.status, row.expires_at <= now, row.locked_until <= now)
@@ -104,10 +107,12 @@ class DictStore:
             for (status, expired, lease_over), rows in groups.items()
         ]
 
-    async def count_expired(self, *, now: datetime) -> int:
+    async def count_expired(self, *, now: datetime | None = None) -> int:
+        now = utcnow() if now is None else now
         return sum(1 for row in self.rows.values() if row.expires_at <= now)
 
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
+        now = utcnow() if now is None else now
         async with self.lock:
             expired = [k for k, r in self.rows.items() if r.expires_at <= now][:batch_size]
             for key in expired:

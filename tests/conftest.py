@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +33,7 @@ from starlette.applications import Starlette
 from asgi_idempotency import MemoryStore, SQLStore
 from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
+from asgi_idempotency.testing import StoreClock as StoreClock  # where tests import it from
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -410,6 +412,35 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     """Every store kind, each empty; the contract and middleware suites run on all of them."""
     async with open_store(request, request.param) as opened:
         yield opened
+
+
+async def backdate(store: Store, key: str, by: timedelta) -> None:
+    """Move a record's times ``by`` into the past, as if written that long ago.
+
+    A shared store writes every record at its own time: a test that needs old records
+    (for the CLI's stats, say) writes them now and ages them here, behind the store.
+    """
+    from asgi_idempotency.stores.codec import epoch_us
+    from asgi_idempotency.stores.redis import RedisStore
+    from asgi_idempotency.stores.schema import records
+
+    record = await store.get(key)
+    assert record is not None
+    times = {
+        "created_at": record.created_at - by,
+        "locked_until": record.locked_until - by,
+        "expires_at": record.expires_at - by,
+    }
+    if isinstance(store, SQLStore):
+        async with store.engine.begin() as conn:
+            await conn.execute(records.update().where(records.c.key == key).values(**times))
+    elif isinstance(store, RedisStore):
+        fields: dict[str | bytes, int | str] = {
+            name: epoch_us(value) for name, value in zip("cle", times.values(), strict=True)
+        }
+        await store.client.hset(store._key(key), mapping=fields)  # type: ignore[arg-type]  # an invariant Mapping
+    else:
+        raise TypeError(f"cannot backdate a record of {type(store).__name__}")
 
 
 @pytest.fixture

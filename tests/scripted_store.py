@@ -45,18 +45,18 @@ class ScriptedStore(MemoryStore):
         return await super().replace(expected, new)
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         await self._enter("complete")
-        return await super().complete(key, token, response, expires_at=expires_at)
+        return await super().complete(key, token, response, now=now, ttl=ttl)
 
     async def release(self, key: str, token: str) -> bool:
         await self._enter("release")
         return await super().release(key, token)
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         await self._enter("renew")
-        return await super().renew(key, token, locked_until=locked_until)
+        return await super().renew(key, token, now=now, lease=lease)
 
     async def suspected_duplicates(
         self, *, since: datetime, window: timedelta, route: str | None = None

@@ -29,6 +29,7 @@ from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.stores.sql import SQLStore
+from tests.conftest import backdate
 
 FINGERPRINT = "ab" * 32
 UNREACHABLE = "postgresql+asyncpg://postgres@127.0.0.1:9/x"
@@ -42,7 +43,8 @@ async def _seed(url: str, now: datetime) -> None:
             await conn.execute(text("DELETE FROM idempotency_records"))
 
         async def put(key: str, *, age: timedelta, done: bool, principal: str = "") -> None:
-            t0 = now - age
+            # Written now at the database's time, then aged by ``age`` from ``now``.
+            t0 = now
             token = uuid.uuid4().hex
             digest = scoped_key(principal, key)
             claimed = await claim(
@@ -51,13 +53,16 @@ async def _seed(url: str, now: datetime) -> None:
                 FINGERPRINT,
                 token,
                 now=t0,
-                locked_until=t0 + timedelta(seconds=30),
-                expires_at=t0 + timedelta(hours=24),
+                lease=timedelta(seconds=30),
+                ttl=timedelta(hours=24),
             )
             assert claimed.owned
             if done:
                 response = StoredResponse(201, (), b'{"refund_id": "r-1"}')
-                await store.complete(digest, token, response, expires_at=t0 + timedelta(hours=24))
+                await store.complete(digest, token, response, now=t0, ttl=timedelta(hours=24))
+            record = await store.get(digest)
+            assert record is not None
+            await backdate(store, digest, record.created_at - (now - age))
 
         await put("refund-42", age=timedelta(minutes=5), done=True)
         await put("refund-42", age=timedelta(minutes=5), done=True, principal="alice")

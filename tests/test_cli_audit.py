@@ -32,8 +32,8 @@ def sqlite_db(tmp_path: Path, storm: int = 0) -> str:
             at = now + timedelta(seconds=2 * n)
             key = hashlib.sha256(f"k{n}".encode()).hexdigest()
             await lifecycle.claim(
-                store, key, "f" * 64, f"{n:032x}", now=at, locked_until=at + timedelta(seconds=30),
-                expires_at=at + timedelta(days=1), scope_digest="c" * 64, route=ROUTE,
+                store, key, "f" * 64, f"{n:032x}", now=at, lease=timedelta(seconds=30),
+                ttl=timedelta(days=1), scope_digest="c" * 64, route=ROUTE,
             )  # fmt: skip
         await store.close()
 
@@ -120,8 +120,8 @@ async def test_the_exporter_sets_the_gauge_per_route_and_resets_it() -> None:
     for n in range(3):
         at = clock[0] - timedelta(minutes=5) + timedelta(seconds=n)
         await lifecycle.claim(
-            store, f"{n:064x}", "f" * 64, f"{n:032x}", now=at, locked_until=at,
-            expires_at=at + timedelta(days=1), scope_digest="c" * 64, route=ROUTE,
+            store, f"{n:064x}", "f" * 64, f"{n:032x}", now=at, lease=timedelta(0),
+            ttl=timedelta(days=1), scope_digest="c" * 64, route=ROUTE,
         )  # fmt: skip
     assert len(await exporter.run_once()) == 1
     assert registry.get_sample_value(name, {"route": ROUTE}) == 2

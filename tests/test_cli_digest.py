@@ -111,7 +111,7 @@ def test_an_ambiguous_digest_prefix_says_so(url: str) -> None:
             for tail in ("0" * 48, "1" * 48):
                 claim = NewClaim(
                     "abcdef0123456789" + tail, "ab" * 32, tail[:32], now,
-                    now + timedelta(seconds=30), now + timedelta(hours=1),
+                    timedelta(seconds=30), timedelta(hours=1),
                 )  # fmt: skip
                 assert await store.insert(claim) is None
         finally:

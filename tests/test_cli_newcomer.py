@@ -21,7 +21,7 @@ from asgi_idempotency.demo import SCRATCH_PREFIX
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.sql import SQLStore
 from asgi_idempotency.urls import ACCEPTED, REDIS_SCHEMES, async_url
-from tests.conftest import PgServer
+from tests.conftest import PgServer, backdate
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -148,9 +148,12 @@ async def _expired_rows(url: str, count: int) -> None:
             digest, token = uuid.uuid4().hex * 2, uuid.uuid4().hex
             claimed = await claim(
                 store, digest, "ab" * 32, token, now=then,
-                locked_until=then + timedelta(seconds=30), expires_at=then + timedelta(hours=1),
+                lease=timedelta(seconds=30), ttl=timedelta(hours=1),
             )  # fmt: skip
             assert claimed.owned
+            record = await store.get(digest)
+            assert record is not None
+            await backdate(store, digest, record.created_at - then)  # Postgres wrote it now
     finally:
         await store.close()
 

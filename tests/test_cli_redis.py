@@ -18,7 +18,7 @@ from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
 from asgi_idempotency.urls import is_redis, redact
-from tests.conftest import redis_store
+from tests.conftest import backdate, redis_store
 
 pytestmark = pytest.mark.redis
 
@@ -29,17 +29,21 @@ async def _seed(url: str, now: datetime) -> None:
     store = await redis_store(url)  # flushed
     try:
         for key, done, age in (("refund-42", True, 0), ("running", False, 0), ("dead", False, 60)):
-            t0 = now - timedelta(seconds=age)
+            t0 = now
             token = uuid.uuid4().hex
             digest = scoped_key("", key)
             owned = await claim(
                 store, digest, FINGERPRINT, token, now=t0,
-                locked_until=t0 + timedelta(seconds=30), expires_at=t0 + timedelta(hours=24),
+                lease=timedelta(seconds=30), ttl=timedelta(hours=24),
             )  # fmt: skip
             assert owned.owned
             if done:
                 response = StoredResponse(201, (), b'{"refund_id": "r-1"}')
-                await store.complete(digest, token, response, expires_at=t0 + timedelta(hours=24))
+                await store.complete(digest, token, response, now=t0, ttl=timedelta(hours=24))
+            # Written at the server's time: aged to ``age`` seconds before ``now``.
+            record = await store.get(digest)
+            assert record is not None
+            await backdate(store, digest, record.created_at - (now - timedelta(seconds=age)))
     finally:
         await store.close()
 

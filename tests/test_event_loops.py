@@ -138,7 +138,7 @@ def test_asyncio_run_twice_on_one_store(kind: str, request: pytest.FixtureReques
         now = utcnow()
         return await lifecycle.claim(
             store, key, "h", uuid.uuid4().hex,
-            now=now, locked_until=now + Policy().lease, expires_at=now + Policy().ttl,
+            now=now, lease=Policy().lease, ttl=Policy().ttl,
         )  # fmt: skip
 
     assert asyncio.run(claim()).owned

@@ -28,17 +28,17 @@ class CountingStore(MemoryStore):
         self.renewed: dict[str, int] = {}
         self.lost: set[str] = set()
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         self.renewed[token] = self.renewed.get(token, 0) + 1
         if token in self.lost:
             return False
-        return await super().renew(key, token, locked_until=locked_until)
+        return await super().renew(key, token, now=now, lease=lease)
 
 
 async def claimed(store: MemoryStore, name: str) -> tuple[str, str]:
     now = utcnow()
     key, token = f"key-{name}", f"token-{name}"
-    assert await store.insert(NewClaim(key, "h", token, now, now + LEASE, now + 2 * LEASE)) is None
+    assert await store.insert(NewClaim(key, "h", token, now, LEASE, 2 * LEASE)) is None
     return key, token
 
 

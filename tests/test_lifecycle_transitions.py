@@ -43,9 +43,7 @@ def row(
 async def claim(
     store: ScriptedStore, *, h: str = "h", token: str = "mine", now: datetime = T0
 ) -> lifecycle.Claim:
-    return await lifecycle.claim(
-        store, KEY, h, token, now=now, locked_until=now + LEASE, expires_at=now + TTL
-    )
+    return await lifecycle.claim(store, KEY, h, token, now=now, lease=LEASE, ttl=TTL)
 
 
 async def test_no_row_is_claimed_in_one_insert() -> None:
@@ -148,9 +146,7 @@ async def test_a_transactions_lock_held_elsewhere_is_in_progress_without_a_row()
 
 async def test_retention_never_ends_within_the_lease() -> None:
     store = ScriptedStore()
-    await lifecycle.claim(
-        store, KEY, "h", "mine", now=T0, locked_until=T0 + LEASE, expires_at=T0 + SECOND
-    )
+    await lifecycle.claim(store, KEY, "h", "mine", now=T0, lease=LEASE, ttl=SECOND)
     record = await store.get(KEY)
     assert record is not None
     assert record.expires_at == T0 + LEASE
@@ -171,11 +167,11 @@ async def test_a_store_failure_on_the_claim_is_raised_not_answered() -> None:
 async def test_the_owner_completes_once_and_nobody_else_ever() -> None:
     store = ScriptedStore()
     await claim(store)
-    assert not await store.complete(KEY, "intruder", RESPONSE, expires_at=T0 + TTL)
-    assert await store.complete(KEY, "mine", RESPONSE, expires_at=T0 + TTL)
-    assert not await store.complete(KEY, "mine", RESPONSE, expires_at=T0 + TTL)  # completed
+    assert not await store.complete(KEY, "intruder", RESPONSE, now=T0, ttl=TTL)
+    assert await store.complete(KEY, "mine", RESPONSE, now=T0, ttl=TTL)
+    assert not await store.complete(KEY, "mine", RESPONSE, now=T0, ttl=TTL)  # completed
     assert not await store.release(KEY, "mine")  # a stored response is never released
-    assert not await store.renew(KEY, "mine", locked_until=T0 + 2 * LEASE)
+    assert not await store.renew(KEY, "mine", now=T0, lease=2 * LEASE)
 
 
 async def test_a_claim_taken_over_is_no_longer_its_first_owners() -> None:
@@ -183,8 +179,8 @@ async def test_a_claim_taken_over_is_no_longer_its_first_owners() -> None:
     await claim(store, token="first")
     later = T0 + 2 * LEASE  # first's lease is over: abandoned
     assert (await claim(store, token="second", now=later)).outcome is ClaimOutcome.TAKEN_OVER
-    assert not await store.renew(KEY, "first", locked_until=later + LEASE)
-    assert not await store.complete(KEY, "first", RESPONSE, expires_at=later + TTL)
+    assert not await store.renew(KEY, "first", now=later, lease=LEASE)
+    assert not await store.complete(KEY, "first", RESPONSE, now=later, ttl=TTL)
     assert not await store.release(KEY, "first")
     assert await store.release(KEY, "second")
     assert await store.get(KEY) is None
@@ -208,7 +204,7 @@ async def test_a_claim_cancelled_in_flight_is_handed_over_and_released() -> None
     answered = asyncio.Event()
 
     async def lands_then_hangs(s: ScriptedStore) -> None:
-        new = NewClaim(KEY, "h", "mine", T0, T0 + LEASE, T0 + TTL)
+        new = NewClaim(KEY, "h", "mine", T0, LEASE, TTL)
         await MemorySide.insert(s, new)  # the statement landed on the server...
         answered.set()
         await asyncio.Event().wait()  # ...and its answer never reaches the caller
@@ -217,7 +213,7 @@ async def test_a_claim_cancelled_in_flight_is_handed_over_and_released() -> None
     orphans: list[NewClaim] = []
     task = asyncio.create_task(
         lifecycle.claim(
-            store, KEY, "h", "mine", now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL,
+            store, KEY, "h", "mine", now=T0, lease=LEASE, ttl=TTL,
             orphaned=orphans.append,
         )
     )  # fmt: skip
@@ -225,7 +221,7 @@ async def test_a_claim_cancelled_in_flight_is_handed_over_and_released() -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert [(o.key, o.token, o.locked_until) for o in orphans] == [(KEY, "mine", T0 + LEASE)]
+    assert [(o.key, o.token, o.lease) for o in orphans] == [(KEY, "mine", LEASE)]
     assert await store.get(KEY) is not None  # held, for a requester that is gone
     assert await lifecycle.release_orphan(store, orphans[0])
     assert await store.get(KEY) is None
@@ -234,7 +230,7 @@ async def test_a_claim_cancelled_in_flight_is_handed_over_and_released() -> None
 
 async def test_an_orphan_that_lands_late_is_released_when_it_lands() -> None:
     store = ScriptedStore()
-    new = NewClaim(KEY, "h", "mine", T0, T0 + LEASE, T0 + TTL)
+    new = NewClaim(KEY, "h", "mine", T0, LEASE, TTL)
 
     async def the_claim_lands_now(s: ScriptedStore) -> None:
         await MemorySide.insert(s, new)
@@ -248,14 +244,14 @@ async def test_an_orphan_that_lands_late_is_released_when_it_lands() -> None:
 
 async def test_an_orphan_that_never_lands_costs_a_few_releases_within_its_lease() -> None:
     store = ScriptedStore()
-    new = NewClaim(KEY, "h", "mine", T0, T0 + SECOND, T0 + TTL)
+    new = NewClaim(KEY, "h", "mine", T0, SECOND, TTL)
     assert not await lifecycle.release_orphan(store, new)
     assert store.calls == ["release"] * (1 + len(lifecycle.completion_retries(SECOND)))
 
 
 async def test_an_orphan_release_the_store_keeps_failing_raises_the_last_failure() -> None:
     store = ScriptedStore()
-    new = NewClaim(KEY, "h", "mine", T0, T0 + SECOND, T0 + TTL)
+    new = NewClaim(KEY, "h", "mine", T0, SECOND, TTL)
     attempts = 1 + len(lifecycle.completion_retries(SECOND))
     store.fail["release"].extend(StoreError(f"down {i}") for i in range(attempts))
     with pytest.raises(StoreError, match=f"down {attempts - 1}"):

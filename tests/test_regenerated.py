@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,7 +25,7 @@ from asgi_idempotency.principals import from_headers
 from asgi_idempotency.prometheus import PrometheusMetrics
 from asgi_idempotency.regenerated import MARKER_TOKEN
 from asgi_idempotency.stores.base import NewClaim, Record, RecordStatus, Store
-from tests.conftest import emptied, redis_store
+from tests.conftest import StoreClock, emptied, redis_store
 
 pytestmark = pytest.mark.anyio
 
@@ -125,11 +125,16 @@ class Clock:
         return self.now
 
 
-def _worker(store: Store, clock: Clock, registry: CollectorRegistry) -> Starlette:
+def _worker(
+    store: Store,
+    clock: Callable[[], datetime],
+    registry: CollectorRegistry,
+    window: timedelta = timedelta(seconds=60),
+) -> Starlette:
     """One worker's app: its own middleware, and its own store object on the shared database."""
     return _app(
         store,
-        detect_regenerated_keys=timedelta(seconds=60),
+        detect_regenerated_keys=window,
         metrics=PrometheusMetrics(registry),  # both workers count into one registry
         clock=clock,
     )
@@ -221,18 +226,20 @@ async def test_a_key_derived_once_and_another_callers_twin_are_not_flagged(
 async def test_the_window_restarts_after_it_ends_and_prune_removes_the_markers(
     two_stores: tuple[Store, Store],
 ) -> None:
-    clock, registry = Clock(), CollectorRegistry()
-    a, b = (_worker(store, clock, registry) for store in two_stores)
+    # The window is the store's clock's: two units of it (a few seconds where shared).
+    clock, registry = StoreClock(two_stores[0]), CollectorRegistry()
+    window = 2 * clock.unit
+    a, b = (_worker(store, clock, registry, window) for store in two_stores)
     assert await _send(a, "k-1", "u1") == 201
-    clock.now += timedelta(seconds=61)  # past the window: a new sighting, not a retry
+    await clock.past(window)  # past the window: a new sighting, not a retry
     assert await _send(b, "k-2", "u1") == 201
     assert _flagged(registry) == 0
-    clock.now += timedelta(seconds=30)
+    await clock.advance(window / 4)
     assert await _send(a, "k-3", "u1") == 201  # within the window k-2 restarted
     assert _flagged(registry) == 1
     # The marker expires with its window; prune deletes it with the expired records.
     store = two_stores[0]
-    later = clock.now + timedelta(seconds=61)
+    later = clock.now + window + clock.unit
     assert await store.prune(now=later) == 1
     assert await store.prune(now=later + timedelta(days=2)) == 3  # the three records
 
@@ -253,10 +260,10 @@ class Counting(MemoryStore):
         return await super().replace(expected, new)
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         self.calls["complete"] += 1
-        return await super().complete(key, token, response, expires_at=expires_at)
+        return await super().complete(key, token, response, now=now, ttl=ttl)
 
 
 @pytest.mark.parametrize("enabled", [False, True])

@@ -41,7 +41,7 @@ class CompletionFails(MemoryStore):
         self.calls = 0
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         self.calls += 1
         if self.calls == 1:
@@ -108,16 +108,16 @@ class FlakyMemory(MemoryStore):
         self.failures, self.completes, self.renews = failures, 0, 0
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         self.completes += 1
         if self.completes <= self.failures:
             raise StoreError("connection lost while completing")
-        return await super().complete(key, token, response, expires_at=expires_at)
+        return await super().complete(key, token, response, now=now, ttl=ttl)
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         self.renews += 1
-        return await super().renew(key, token, locked_until=locked_until)
+        return await super().renew(key, token, now=now, lease=lease)
 
 
 class FlakySQLite(SQLStore):
@@ -128,16 +128,16 @@ class FlakySQLite(SQLStore):
         self.failures, self.completes, self.renews = failures, 0, 0
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         self.completes += 1
         if self.completes <= self.failures:
             raise StoreError("connection lost while completing")
-        return await super().complete(key, token, response, expires_at=expires_at)
+        return await super().complete(key, token, response, now=now, ttl=ttl)
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         self.renews += 1
-        return await super().renew(key, token, locked_until=locked_until)
+        return await super().renew(key, token, now=now, lease=lease)
 
 
 Flaky = FlakyMemory | FlakySQLite
@@ -238,10 +238,10 @@ class AnswerLost(MemoryStore):
         self.completes = 0
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         self.completes += 1
-        done = await super().complete(key, token, response, expires_at=expires_at)
+        done = await super().complete(key, token, response, now=now, ttl=ttl)
         if self.completes == 1:
             raise StoreError("connection lost after the write")
         return done

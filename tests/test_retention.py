@@ -28,6 +28,7 @@ from asgi_idempotency.retention import (
     table_stats,
 )
 from asgi_idempotency.stores.base import Store, StoredResponse
+from tests.conftest import StoreClock, backdate
 
 pytestmark = pytest.mark.anyio
 
@@ -36,22 +37,19 @@ HASH = "f" * 64
 
 
 async def put(store: Store, key: str, *, age: timedelta, ttl: timedelta, done: bool = True) -> None:
-    """A record claimed ``age`` ago with retention ``ttl`` (expired when ttl <= age)."""
+    """A record claimed ``age`` before NOW, kept ``ttl`` (expired when ttl <= age)."""
     t0 = NOW - age
     token = uuid.uuid4().hex
-    claim_ = await claim(
-        store,
-        key,
-        HASH,
-        token,
-        now=t0,
-        locked_until=t0 + timedelta(seconds=30),
-        expires_at=t0 + ttl,
-    )
+    claim_ = await claim(store, key, HASH, token, now=t0, lease=timedelta(seconds=30), ttl=ttl)
     assert claim_.owned
     if done:
         response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
-        assert await store.complete(key, token, response, expires_at=t0 + ttl)
+        assert await store.complete(key, token, response, now=t0, ttl=ttl)
+    if StoreClock(store).shared:
+        # Written now, at the store's own time: aged to have been written at t0.
+        record = await store.get(key)
+        assert record is not None
+        await backdate(store, key, record.created_at - t0)
 
 
 def k(name: str) -> str:
@@ -151,7 +149,7 @@ async def test_table_stats(sql_store: SQLStore) -> None:
 
 
 class FailingStore(MemoryStore):
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         raise StoreError("down")
 
 
@@ -355,8 +353,8 @@ async def test_claims_keep_answering_while_a_million_expired_rows_are_pruned(
             HASH,
             uuid.uuid4().hex,
             now=t,
-            locked_until=t + timedelta(seconds=30),
-            expires_at=t + timedelta(hours=1),
+            lease=timedelta(seconds=30),
+            ttl=timedelta(hours=1),
         )
         latencies.append(time.perf_counter() - begin)
         assert claim_.outcome is ClaimOutcome.CLAIMED

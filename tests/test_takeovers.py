@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -23,20 +22,10 @@ from prometheus_client import CollectorRegistry
 from asgi_idempotency import IdempotencyMiddleware, Once, SQLStore, idempotent
 from asgi_idempotency.principals import ANONYMOUS
 from asgi_idempotency.prometheus import PrometheusMetrics
-from tests.conftest import emptied
+from tests.conftest import StoreClock, emptied
 from tests.otel_memory import attributes, in_memory_exporter
 
 pytestmark = pytest.mark.anyio
-
-LEASE = timedelta(seconds=30)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -58,13 +47,13 @@ def _takeovers(registry: CollectorRegistry, route: str) -> float | None:
 async def test_the_middleware_counts_and_traces_a_takeover(
     store: SQLStore, exporter: InMemorySpanExporter
 ) -> None:
-    clock, registry = Clock(), CollectorRegistry()
+    clock, registry = StoreClock(store), CollectorRegistry()
     entered, runs = asyncio.Event(), []
 
     app = FastAPI()
 
     @app.post("/refunds", status_code=201)
-    @idempotent(required=True, lease=LEASE)
+    @idempotent(required=True, lease=clock.unit)
     async def refund() -> dict[str, int]:
         runs.append(1)
         if len(runs) == 1:
@@ -86,7 +75,7 @@ async def test_the_middleware_counts_and_traces_a_takeover(
         # Within the lease the claim is still someone's: 409, and nothing counted.
         assert (await c.post("/refunds", headers={"Idempotency-Key": "k"})).status_code == 409
         assert _takeovers(registry, "/refunds") is None
-        clock.now += LEASE + timedelta(seconds=1)
+        await clock.past(clock.unit)
         retried = await c.post("/refunds", headers={"Idempotency-Key": "k"})
     assert retried.status_code == 201
     assert len(runs) == 2
@@ -105,9 +94,9 @@ async def test_the_middleware_counts_and_traces_a_takeover(
 async def test_the_function_guard_counts_and_traces_a_takeover(
     store: SQLStore, exporter: InMemorySpanExporter
 ) -> None:
-    clock, registry = Clock(), CollectorRegistry()
+    clock, registry = StoreClock(store), CollectorRegistry()
     once = Once(
-        store, namespace="billing.refund", lease=LEASE, clock=clock,
+        store, namespace="billing.refund", lease=clock.unit, clock=clock,
         metrics=PrometheusMetrics(registry),
     )  # fmt: skip
     entered, runs = asyncio.Event(), []
@@ -124,7 +113,7 @@ async def test_the_function_guard_counts_and_traces_a_takeover(
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
-    clock.now += LEASE + timedelta(seconds=1)
+    await clock.past(clock.unit)
     assert await once.call("r-1", refund, "A-1") == 2
     assert _takeovers(registry, "billing.refund") == 1
     calls: list[dict[str, Any]] = [

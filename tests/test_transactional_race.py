@@ -230,7 +230,7 @@ async def test_commit_refuses_when_the_record_is_not_its_claim(
         await tx.state.session.execute(insert(refunds).values(id="second", order_id="1", amount=5))
         with pytest.raises(StoreError):
             await tx.commit(
-                key, "b" * 32, StoredResponse(201, (), b"{}"), expires_at=now + timedelta(days=1)
+                key, "b" * 32, StoredResponse(201, (), b"{}"), now=now, ttl=timedelta(days=1)
             )
     assert await refund_rows(pg_store) == 0
     left = [tuple(r) for r in await rival.fetch("SELECT token, status FROM idempotency_records")]
@@ -351,7 +351,7 @@ async def test_mariadb_commit_refuses_when_the_record_is_not_its_claim(
         await tx.state.session.execute(insert(refunds).values(id="second", order_id="1", amount=5))
         with pytest.raises(StoreError):
             await tx.commit(
-                key, "b" * 32, StoredResponse(201, (), b"{}"), expires_at=now + timedelta(days=1)
+                key, "b" * 32, StoredResponse(201, (), b"{}"), now=now, ttl=timedelta(days=1)
             )
     assert await refund_rows(mstore) == 0
     left = await _m(mrival, "SELECT token, status FROM idempotency_records")

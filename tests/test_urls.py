@@ -101,8 +101,8 @@ async def _claim_once(store: SQLStore) -> None:
         "ab" * 32,
         uuid.uuid4().hex,
         now=now,
-        locked_until=now + timedelta(seconds=30),
-        expires_at=now + timedelta(hours=1),
+        lease=timedelta(seconds=30),
+        ttl=timedelta(hours=1),
     )
     assert claim.owned
 

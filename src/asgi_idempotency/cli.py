@@ -262,7 +262,7 @@ def cmd_prune(args: argparse.Namespace, out: TextIO) -> Exit:
     show_progress = not args.json and not args.quiet and err.isatty()
 
     async def body(store: Any) -> Exit:
-        now = datetime.now(UTC)
+        now = None  # the store's own time decides what has expired
         started = time.perf_counter()
         expected = await count_expired(store, now=now) if (args.dry_run or show_progress) else 0
         if args.dry_run:

@@ -153,8 +153,8 @@ class Executor:
             fingerprint,
             token,
             now=now,
-            locked_until=now + policy.lease,
-            expires_at=now + policy.ttl,
+            lease=policy.lease,
+            ttl=policy.ttl,
             # A transaction's claim rolls back with it; the store's stays unless released.
             orphaned=None if transaction else functools.partial(self.orphaned, route),
             scope_digest=scope,
@@ -192,9 +192,9 @@ class Executor:
         """
         self.stop(execution)
         store, key, token = self.store, execution.key, execution.token
-        expires_at = self.clock() + execution.policy.ttl
+        now, ttl = self.clock(), execution.policy.ttl
         try:
-            completing = store.complete(key, token, stored, expires_at=expires_at)
+            completing = store.complete(key, token, stored, now=now, ttl=ttl)
             if span is None and not self.observer.timing:
                 owned = await completing
             else:
@@ -204,14 +204,14 @@ class Executor:
             self.settled(execution)
             # A partial, built only now: a lambda would give this function cells
             # that every request pays for.
-            again = functools.partial(store.complete, key, token, stored, expires_at=expires_at)
+            again = functools.partial(store.complete, key, token, stored, now=now, ttl=ttl)
             self.rerun(again, execution.route, key, "complete")
             raise
         except StoreError as exc:
             route, policy = execution.route, execution.policy
             self.observer.store_error(route, key, "complete", exc)
             self.complete_later(
-                key, token, stored, expires_at, lease=policy.lease, every=policy.renew_every,
+                key, token, stored, now, ttl=ttl, lease=policy.lease, every=policy.renew_every,
                 route=route,
             )  # fmt: skip
             self.settled(execution)
@@ -279,15 +279,15 @@ class Executor:
         task.add_done_callback(functools.partial(self._log_failure, route, key, phase))
 
     def complete_later(
-        self, key: str, token: str, stored: StoredResponse, expires_at: datetime, *,
-        lease: timedelta, every: float, route: str,
+        self, key: str, token: str, stored: StoredResponse, now: datetime, *,
+        ttl: timedelta, lease: timedelta, every: float, route: str,
     ) -> None:  # fmt: skip
         """Try again, in the background, a completion that the store failed
         (:func:`.lease.complete_later`: for the lease's life, under a renewed lease)."""
         task = asyncio.ensure_future(
             complete_later(
-                self.store, self.renewals, self.observer, key, token, stored, expires_at,
-                lease=lease, every=every, route=route,
+                self.store, self.renewals, self.observer, key, token, stored, now,
+                ttl=ttl, lease=lease, every=every, route=route,
             )
         )  # fmt: skip
         self._keep(task)

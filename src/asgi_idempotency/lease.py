@@ -61,7 +61,7 @@ class LeaseRenewal:
         while True:
             try:
                 owned = await self._store.renew(
-                    self._key, self._token, locked_until=self._clock() + self._lease
+                    self._key, self._token, now=self._clock(), lease=self._lease
                 )
             except StoreError as exc:
                 owned = True  # transient; the next tick tries again before the lease ends
@@ -181,7 +181,7 @@ class LeaseRenewals:
         try:
             while True:
                 try:
-                    owned = await self._store.renew(key, token, locked_until=self._clock() + lease)
+                    owned = await self._store.renew(key, token, now=self._clock(), lease=lease)
                 except StoreError as exc:
                     owned = True  # transient; the next tick tries again before the lease ends
                     self._observer.log(
@@ -201,7 +201,8 @@ class LeaseRenewals:
 
 async def complete_later(
     store: Store, renewals: LeaseRenewals, observer: Observer, key: str, token: str,
-    stored: StoredResponse, expires_at: datetime, *, lease: timedelta, every: float, route: str,
+    stored: StoredResponse, now: datetime, *, ttl: timedelta, lease: timedelta, every: float,
+    route: str,
 ) -> None:  # fmt: skip
     """Try again, for the lease's life, a completion that the store failed.
 
@@ -225,7 +226,7 @@ async def complete_later(
             await asyncio.sleep(delay)
             attempts += 1
             try:
-                owned = await store.complete(key, token, stored, expires_at=expires_at)
+                owned = await store.complete(key, token, stored, now=now, ttl=ttl)
             except StoreError as exc:
                 observer.log(
                     logging.WARNING, "idempotency.complete_retry_failed", route, key,

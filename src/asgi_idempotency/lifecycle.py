@@ -59,10 +59,13 @@ def state(status: RecordStatus, *, expired: bool, lease_over: bool) -> RecordSta
 
 
 def state_of(record: Record, now: datetime) -> RecordState:
+    """The state of ``record`` at the store's time when it was read, or at ``now`` if
+    the store keeps no clock of its own (:attr:`Record.read_at`)."""
+    at = now if record.read_at is None else record.read_at
     return state(
         record.status,
-        expired=record.expires_at <= now,
-        lease_over=record.locked_until <= now,
+        expired=record.expires_at <= at,
+        lease_over=record.locked_until <= at,
     )
 
 
@@ -139,8 +142,8 @@ async def claim(
     token: str,
     *,
     now: datetime,
-    locked_until: datetime,
-    expires_at: datetime,
+    lease: timedelta,
+    ttl: timedelta,
     orphaned: Callable[[NewClaim], object] | None = None,
     scope_digest: str | None = None,
     route: str | None = None,
@@ -148,6 +151,10 @@ async def claim(
     """Claim ``key`` for ``token``: one insert, and a compare-and-swap only to take over.
 
     Round trips: a fresh key 1; a replay, 409 or 422 1; a take-over 2.
+
+    The claim holds the key for ``lease`` and its record is kept for ``ttl``, both
+    counted on the store's clock; the row in the way is judged at the store's time
+    when it was read (:attr:`Record.read_at`), or at ``now`` for a store on one host.
 
     ``orphaned``, when given, is called with the claim if the caller is cancelled while
     a statement of the claim is in flight: the claim may then have landed, or may land
@@ -161,11 +168,11 @@ async def claim(
     Raises:
         StoreError: the store failed, or the row kept changing under the claim.
     """
-    if expires_at < locked_until:
+    if ttl < lease:
         # Retention never ends within the lease (the rule above); Policy already
         # refuses lease > ttl, this holds it for any caller.
-        expires_at = locked_until
-    new = NewClaim(key, request_hash, token, now, locked_until, expires_at, scope_digest, route)
+        ttl = lease
+    new = NewClaim(key, request_hash, token, now, lease, ttl, scope_digest, route)
     try:
         for _ in range(CLAIM_ATTEMPTS):
             existing = await store.insert(new)
@@ -173,7 +180,8 @@ async def claim(
                 return CLAIMED
             if existing is BUSY:
                 return _LOCKED_ELSEWHERE
-            outcome = judge(existing, request_hash, now)
+            at = now if existing.read_at is None else existing.read_at
+            outcome = judge(existing, request_hash, at)
             if outcome not in _OWNED:
                 return Claim(outcome, existing)
             if await store.replace(existing, new):
@@ -204,7 +212,7 @@ async def release_orphan(store: Releaser, new: NewClaim) -> bool:
         Whether a release removed the claim.
     """
     failure: StoreError | None = None
-    for delay in (0.0, *completion_retries(new.locked_until - new.now)):
+    for delay in (0.0, *completion_retries(new.lease)):
         if delay:
             await asyncio.sleep(delay)
         try:
@@ -241,7 +249,8 @@ def in_progress_wait(record: Record | None, now: datetime, retry_after: float) -
     """
     if record is None:
         return retry_after
-    return min((record.locked_until - now).total_seconds(), retry_after)
+    at = now if record.read_at is None else record.read_at  # the store's clock, where shared
+    return min((record.locked_until - at).total_seconds(), retry_after)
 
 
 # A completion the store failed leaves the claim in progress although the handler's

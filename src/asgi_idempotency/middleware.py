@@ -119,7 +119,10 @@ class IdempotencyMiddleware:
         fail_open: when the store fails, run the handler unguarded instead of 503.
             Off by default: a guard that opens under load protects nothing.
         metrics: receives one ``observe(route, outcome)`` per guarded request.
-        clock: returns the current aware UTC time (tests drive leases with it).
+        clock: returns the current aware UTC time. Leases and retention are decided
+            on the store's own clock where it is shared (Postgres, MariaDB/MySQL,
+            Redis); stores on one host (memory, SQLite) take this one, so tests can
+            drive their leases with it.
         retry_after: seconds sent in ``Retry-After`` with a 503, and with a 409 unless
             the running claim's lease ends sooner (default 1).
         prune_interval: when set, delete expired records every this many seconds

@@ -189,7 +189,8 @@ class Once:
         codec: ``dumps``/``loads`` between a result and bytes (default orjson: JSON
             values). Every call returns the result after a trip through the codec,
             the first included, so a result it does not round-trip shows at once.
-        clock: the current aware UTC time (tests).
+        clock: the current aware UTC time: the lease clock of stores on one host
+            (memory, SQLite; tests); shared stores decide leases on their own clock.
         metrics: a :class:`~.metrics.MetricsSink` (e.g. the middleware's
             ``PrometheusMetrics``) that receives one ``observe(namespace, outcome)`` per
             call, and store latencies and take-overs if it takes them. The namespace

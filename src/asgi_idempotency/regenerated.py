@@ -71,10 +71,10 @@ class RegeneratedKeys:
         Raises:
             StoreError: the store failed (the caller logs it and goes on).
         """
-        until = now + self.window
+        window = self.window
         token = MARKER_TOKEN + os.urandom(8).hex()
         marker = NewClaim(marker_key(host, principal, fingerprint), key, token, now,
-                          until, until)  # fmt: skip
+                          window, window)  # fmt: skip
         found = await store.insert(marker)
         if found is None or found is BUSY:
             # The first sighting; or, in a transaction, another one holds the marker's

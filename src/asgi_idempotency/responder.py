@@ -481,7 +481,7 @@ class Responder:
         await self.rt.complete(self.execution, stored, span=self.span)
 
     async def _commit(
-        self, tx: StoreTransaction, stored: StoredResponse | None, expires_at: datetime | None
+        self, tx: StoreTransaction, stored: StoredResponse | None, now: datetime | None
     ) -> bool:
         """Commit the handler's writes with the record (``stored``), or alone (``None``)."""
         key = self.req.key
@@ -489,8 +489,9 @@ class Responder:
             if stored is None:
                 await self.rt.shielded(tx.commit_writes())
             else:
-                assert expires_at is not None
-                await self.rt.shielded(tx.commit(key, self.token, stored, expires_at=expires_at))
+                assert now is not None
+                ttl = self.req.policy.ttl
+                await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.

@@ -66,8 +66,9 @@ async def prune_all(
         store: any :class:`~asgi_idempotency.Store`.
         batch_size: rows per delete statement (default 1000). Larger batches finish
             sooner; smaller ones hold row locks and WAL bursts for less time.
-        now: the cut-off, an aware datetime (default: the current UTC time). Fixed for
-            the whole run, so rows expiring meanwhile wait for the next run.
+        now: the cut-off, an aware datetime. Default: the store's own time at each
+            batch (Postgres, MariaDB/MySQL, Redis; the local clock for memory and
+            SQLite), so that a host whose clock is ahead prunes nothing early.
         dry_run: count what would go, delete nothing.
         progress: ``progress(done, batch)`` after each batch.
         pause: seconds to sleep between batches (default 0), to leave the database
@@ -86,7 +87,7 @@ async def prune_all(
     """
     if batch_size < 1 or max_batches < 1:
         raise ValueError("batch_size and max_batches must be at least 1")
-    cutoff = utcnow() if now is None else now
+    cutoff = now
     if dry_run:
         return await count_expired(store, now=cutoff)
     done = 0
@@ -107,12 +108,12 @@ async def prune_all(
 
 
 async def count_expired(store: Store, *, now: datetime | None = None) -> int:
-    """How many records have expired at ``now`` (default: the current time) and await pruning.
+    """How many records have expired at ``now`` (default: the store's time) and await pruning.
 
     Raises:
         StoreError: the store failed.
     """
-    return await store.count_expired(now=utcnow() if now is None else now)
+    return await store.count_expired(now=now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +144,11 @@ async def table_stats(store: Store, *, now: datetime | None = None) -> TableStat
     Raises:
         StoreError: the store failed (unreachable, or the table is missing).
     """
-    cutoff = utcnow() if now is None else now
+    cutoff = utcnow() if now is None else now  # reported; the store counts at its own time
     live: dict[str, int] = {}
     expired = abandoned = 0
     oldest: datetime | None = None
-    for bucket in await store.buckets(now=cutoff):
+    for bucket in await store.buckets(now=now):
         current = state(bucket.status, expired=bucket.expired, lease_over=bucket.lease_over)
         if current is RecordState.EXPIRED:
             expired += bucket.count
@@ -184,7 +185,8 @@ class Pruner:
         interval: seconds between runs (default 300).
         batch_size, pause, max_batches: as for :func:`prune_all`.
         jitter: fraction of ``interval`` to randomise each wait by (default 0.1).
-        clock: returns the current aware UTC time.
+        clock: returns the cut-off, an aware UTC time; default ``None``: the store's
+            own time (see :func:`prune_all`).
     """
 
     def __init__(
@@ -196,7 +198,7 @@ class Pruner:
         pause: float = 0.0,
         max_batches: int = 1_000_000,
         jitter: float = 0.1,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
@@ -218,7 +220,7 @@ class Pruner:
         deleted = await prune_all(
             self.store,
             batch_size=self.batch_size,
-            now=self.clock(),
+            now=None if self.clock is None else self.clock(),
             pause=self.pause,
             max_batches=self.max_batches,
         )
@@ -311,7 +313,7 @@ class PruningMiddleware:
         pause: float = 0.0,
         max_batches: int = 1_000_000,
         jitter: float = 0.1,
-        clock: Callable[[], datetime] = utcnow,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         self.app = app
         self.store = store

@@ -145,7 +145,10 @@ class Waiters:
                         raise StoreError(watch.failed) from None
                     return latest
                 record = watch.record
-                outcome = lifecycle.judge(record, request_hash, clock())
+                # At the store's time of the read where it keeps one, as a claim judges.
+                now = clock()
+                at = now if record is None or record.read_at is None else record.read_at
+                outcome = lifecycle.judge(record, request_hash, at)
                 if outcome in _ANSWERED:
                     return Claim(outcome, record)
                 if outcome is ClaimOutcome.IN_PROGRESS:

@@ -2,14 +2,17 @@
 
 Configured from the environment:
 
-- ``IDEMPOTENCY_TEST_APP_REDIS_URL``: the store (``redis://`` or ``redis+cluster://``);
+- ``IDEMPOTENCY_TEST_APP_REDIS_URL``: the store (``redis://`` or ``redis+cluster://``;
+  a SQL URL gives a :class:`SQLStore`, for the tests that run on every shared store);
+- ``IDEMPOTENCY_TEST_APP_BATCHING``: ``0`` builds the SQL store with ``batching=False``;
 - ``IDEMPOTENCY_TEST_APP_LEASE``: lease in seconds (default 30);
 - ``IDEMPOTENCY_TEST_APP_EFFECTS``: a file each handler execution appends one line to,
   ``<order> <refund id> <pid>``, with ``O_APPEND`` (atomic for one short write), so
   executions are counted across processes and whatever happens to Redis.
 
-``POST /orders/{order}/refunds`` (guarded, key required; ``{"amount", "delay"}``) and
-``GET /refunds/count`` (the readiness path of ``uvicorn_process``).
+``POST /orders/{order}/refunds`` (guarded, key required; ``{"amount", "delay"}``),
+``GET /refunds/count`` (the readiness path of ``uvicorn_process``) and ``GET /clock``
+(this process's ``time.time()``: what its clock says, e.g. under libfaketime).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,8 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, Policy
+from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
 from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.stores.base import Store
 from asgi_idempotency.stores.redis import RedisStore
 
 APP = "tests.reliability.redis_app:app"
@@ -48,19 +53,26 @@ def effects(path: Path) -> list[tuple[str, str, int]]:
     return out
 
 
-def env_for(url: str, effects: Path, *, lease: float = 30.0) -> dict[str, str]:
+def env_for(
+    url: str, effects: Path, *, lease: float = 30.0, batching: bool = True
+) -> dict[str, str]:
     return {
         "IDEMPOTENCY_TEST_APP_REDIS_URL": url,
         "IDEMPOTENCY_TEST_APP_EFFECTS": str(effects),
         "IDEMPOTENCY_TEST_APP_LEASE": str(lease),
+        "IDEMPOTENCY_TEST_APP_BATCHING": "1" if batching else "0",
     }
 
 
-def create_app(url: str, effects_path: Path, lease: float) -> Starlette:
+def create_app(url: str, effects_path: Path, lease: float, batching: bool = True) -> Starlette:
     # The library's warnings and errors (store errors, take-overs) into uvicorn's log
     # file, where a failing test's reader finds them.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-    store = RedisStore(url, command_timeout=2)
+    store: Store
+    if url.startswith("redis"):
+        store = RedisStore(url, command_timeout=2)
+    else:
+        store = SQLStore(url, command_timeout=2, batching=None if batching else False)
 
     async def refund(request: Request) -> JSONResponse:
         data = orjson.loads(await request.body())
@@ -78,6 +90,9 @@ def create_app(url: str, effects_path: Path, lease: float) -> Starlette:
     async def count(request: Request) -> JSONResponse:
         return JSONResponse({"count": len(effects(effects_path))})
 
+    async def clock(request: Request) -> JSONResponse:
+        return JSONResponse({"time": time.time()})
+
     @asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
         try:
@@ -90,6 +105,7 @@ def create_app(url: str, effects_path: Path, lease: float) -> Starlette:
         routes=[
             Route("/orders/{order}/refunds", refund, methods=["POST"]),
             Route("/refunds/count", count, methods=["GET"]),
+            Route("/clock", clock, methods=["GET"]),
         ],
         middleware=[
             Middleware(
@@ -108,6 +124,7 @@ def _from_env() -> Starlette:
         os.environ["IDEMPOTENCY_TEST_APP_REDIS_URL"],
         Path(os.environ["IDEMPOTENCY_TEST_APP_EFFECTS"]),
         float(os.environ.get("IDEMPOTENCY_TEST_APP_LEASE", "30")),
+        os.environ.get("IDEMPOTENCY_TEST_APP_BATCHING", "1") != "0",
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -24,6 +24,7 @@ from asgi_idempotency import SQLStore
 from asgi_idempotency.keys import scoped_key
 from asgi_idempotency.stores.base import RecordStatus, Store
 
+from ..conftest import StoreClock
 from ..serving import UvicornProcess
 from .apps import asgi_call, refund_app
 from .support import Probe
@@ -98,17 +99,9 @@ async def test_send_failing_after_disconnect_still_stores_the_response(store: St
     assert t.calls["refund"] == 1
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime.now(UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 async def test_cancelled_handler_keeps_its_claim_until_the_lease_ends(store: Store) -> None:
-    clock = Clock()
-    t = refund_app(store, lease=30, clock=clock)
+    clock = StoreClock(store)
+    t = refund_app(store, lease=clock.unit.total_seconds(), clock=clock)
     headers = [(b"idempotency-key", b"cancel-me"), JSON]
     body = [b'{"amount": 8, "wait": true}']
     task = asyncio.create_task(asgi_call(t.app, "POST", "/refunds", headers, body))
@@ -124,7 +117,7 @@ async def test_cancelled_handler_keeps_its_claim_until_the_lease_ends(store: Sto
     assert retry.status == 409
     assert t.calls["refund"] == 1
 
-    clock.now += timedelta(seconds=31)  # the lease ends: the claim counts as abandoned
+    await clock.past(clock.unit)  # the lease ends: the claim counts as abandoned
     t.gate.set()
     late = await asgi_call(t.app, "POST", "/refunds", headers, body)
     assert late.status == 201

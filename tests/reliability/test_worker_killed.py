@@ -132,9 +132,9 @@ async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
                 key,
                 "h",
                 "dead-worker",
-                now=now - timedelta(seconds=10),
-                locked_until=now - timedelta(seconds=1),  # its lease ran out a second ago
-                expires_at=now + timedelta(hours=1),
+                now=now,
+                lease=timedelta(0),  # its lease is over as soon as it is written
+                ttl=timedelta(hours=1),
             )
             assert dead.owned
             start = asyncio.Event()
@@ -149,8 +149,8 @@ async def test_many_racers_for_an_abandoned_claim_exactly_one_wins(
                     "h" if same_request else f"other-{i}",
                     f"racer-{i}",
                     now=now,
-                    locked_until=now + timedelta(seconds=30),
-                    expires_at=now + timedelta(hours=1),
+                    lease=timedelta(seconds=30),
+                    ttl=timedelta(hours=1),
                 )
 
             tasks = [asyncio.create_task(racer(i)) for i in range(16)]

@@ -35,14 +35,14 @@ async def main(url: str, name: str, shared: int, own: int) -> None:
             try:
                 got = await claim(
                     store, key, "h", token,
-                    now=now, locked_until=now + timedelta(seconds=60),
-                    expires_at=now + timedelta(hours=1),
+                    now=now, lease=timedelta(seconds=60),
+                    ttl=timedelta(hours=1),
                 )  # fmt: skip
                 outcomes[key] = got.outcome.value
                 if got.outcome is ClaimOutcome.CLAIMED:
                     response = StoredResponse(201, (), name.encode())
                     done = await store.complete(
-                        key, token, response, expires_at=now + timedelta(hours=1)
+                        key, token, response, now=now, ttl=timedelta(hours=1)
                     )
                     if not done:
                         errors.append(f"{key}: complete found no claim")

@@ -14,6 +14,7 @@ from asgi_idempotency import SQLStore, lifecycle
 from asgi_idempotency.migrations import head, upgrade
 from asgi_idempotency.stores.base import AuditableStore, Store, StoredResponse, capabilities
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
+from tests.conftest import StoreClock, backdate
 
 pytestmark = pytest.mark.anyio
 
@@ -33,10 +34,16 @@ async def claim(
     store: Store, key: str, at: datetime, *, scope: str | None = ALICE, h: str = H,
     route: str = ROUTE, token: str | None = None,
 ) -> lifecycle.Claim:  # fmt: skip
-    return await lifecycle.claim(
-        store, k(key), h, token or k(key + "t")[:32], now=at, locked_until=at + MIN,
-        expires_at=at + timedelta(days=1), scope_digest=scope, route=route,
+    claimed = await lifecycle.claim(
+        store, k(key), h, token or k(key + "t")[:32], now=at, lease=MIN,
+        ttl=timedelta(days=1), scope_digest=scope, route=route,
     )  # fmt: skip
+    if claimed.owned and StoreClock(store).shared:
+        # A shared store writes the claim at its own time: moved to ``at`` behind it.
+        record = await store.get(k(key))
+        assert record is not None
+        await backdate(store, k(key), record.created_at - at)
+    return claimed
 
 
 async def found(store: Store, since: datetime = NOW - MIN, **kw: str) -> list[SuspectedDuplicate]:
@@ -66,7 +73,7 @@ async def test_completion_keeps_the_sighting_and_a_release_removes_it(store: Sto
     for n in range(3):
         await claim(store, f"c{n}", NOW + n * MIN, token=tokens[n])
     response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
-    assert await store.complete(k("c0"), tokens[0], response, expires_at=NOW + timedelta(days=1))
+    assert await store.complete(k("c0"), tokens[0], response, now=NOW, ttl=timedelta(days=1))
     assert await store.release(k("c1"), tokens[1])  # a 5xx: released, it did not happen
     assert await found(store) == [SuspectedDuplicate(ROUTE, ALICE, H, 2, 2, NOW, NOW + 2 * MIN)]
 

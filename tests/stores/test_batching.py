@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, StoredResponse, lifecycle
 from asgi_idempotency.errors import StoreError
 from asgi_idempotency.lifecycle import Claim
-from asgi_idempotency.stores.base import NewClaim
+from asgi_idempotency.stores.base import NewClaim, utcnow
 from asgi_idempotency.stores.batching import Batcher
 from asgi_idempotency.stores.postgres_batched import _FIELDS, BatchingPostgresDriver
 from asgi_idempotency.stores.statements import PG_BATCHED
@@ -58,9 +58,10 @@ async def claim(
     token: str | None = None,
     now: datetime = T0,
     orphaned: Callable[[NewClaim], object] | None = None,
+    lease: timedelta = LEASE,
 ) -> Claim:
     return await lifecycle.claim(
-        store, key, h, token or tok(), now=now, locked_until=now + LEASE, expires_at=now + TTL,
+        store, key, h, token or tok(), now=now, lease=lease, ttl=TTL,
         orphaned=orphaned,
     )  # fmt: skip
 
@@ -312,7 +313,9 @@ async def test_the_same_key_twice_in_one_batch_one_wins_the_other_gets_409(
     assert record.status is RecordStatus.IN_PROGRESS
     for t in same:  # each loser was shown the winner's row, not some other
         if t.result().outcome is ClaimOutcome.IN_PROGRESS:
-            assert t.result().record == record
+            seen = t.result().record
+            assert seen is not None
+            assert seen._replace(read_at=None) == record._replace(read_at=None)
 
 
 @pg
@@ -346,12 +349,15 @@ async def test_the_same_key_with_another_body_in_one_batch_is_a_mismatch(
 async def test_take_over_and_expiry_inside_a_batch_stay_conditional_and_fenced(
     batched: SQLStore,
 ) -> None:
+    # Postgres decides leases and expiry on its own clock: a short lease, run out for real.
+    short = timedelta(seconds=1)
     old = tok()
-    await claim(batched, k("abandoned"), token=old)
+    await claim(batched, k("abandoned"), token=old, lease=short)
     done = tok()
-    await claim(batched, k("expired"), token=done)
-    assert await batched.complete(k("expired"), done, RESPONSE, expires_at=T0 + LEASE)
-    later = T0 + LEASE + timedelta(seconds=1)
+    await claim(batched, k("expired"), token=done, lease=short)
+    assert await batched.complete(k("expired"), done, RESPONSE, now=T0, ttl=short)
+    await asyncio.sleep(short.total_seconds() + 0.2)
+    later = utcnow()
     # One batch: three claimants race for the abandoned row, one claims the expired key,
     # one claims a fresh key.
     results = await asyncio.gather(
@@ -374,11 +380,11 @@ async def test_take_over_and_expiry_inside_a_batch_stay_conditional_and_fenced(
     stats = driver(batched).stats
     sent = {kind: stats[kind].statements for kind in ("complete", "renew", "release")}
     stale, renewed, released, *live = await asyncio.gather(
-        batched.complete(k("abandoned"), old, RESPONSE, expires_at=later + TTL),
-        batched.renew(k("abandoned"), old, locked_until=later + 2 * LEASE),
+        batched.complete(k("abandoned"), old, RESPONSE, now=later, ttl=TTL),
+        batched.renew(k("abandoned"), old, now=later, lease=2 * LEASE),
         batched.release(k("abandoned"), old),
-        batched.complete(k("o1"), owners["o1"], RESPONSE, expires_at=later + TTL),
-        batched.renew(k("o2"), owners["o2"], locked_until=later + 2 * LEASE),
+        batched.complete(k("o1"), owners["o1"], RESPONSE, now=later, ttl=TTL),
+        batched.renew(k("o2"), owners["o2"], now=later, lease=2 * LEASE),
         batched.release(k("o3"), owners["o3"]),
     )
     assert (stale, renewed, released) == (False, False, False)
@@ -386,15 +392,17 @@ async def test_take_over_and_expiry_inside_a_batch_stay_conditional_and_fenced(
     for kind, before in sent.items():  # one two-row statement each
         assert stats[kind].statements == before + 1, kind
         assert stats[kind].largest >= 2, kind
-    assert await batched.get(k("abandoned")) == new_owner
-    assert await batched.complete(k("abandoned"), new_owner.token, RESPONSE, expires_at=later + TTL)
+    kept = await batched.get(k("abandoned"))
+    assert kept is not None
+    assert kept._replace(read_at=None) == new_owner._replace(read_at=None)
+    assert await batched.complete(k("abandoned"), new_owner.token, RESPONSE, now=later, ttl=TTL)
 
 
 @pg
 async def test_mismatch_replay_and_409_inside_one_batch(batched: SQLStore) -> None:
     done = tok()
     await claim(batched, k("done"), token=done)
-    await batched.complete(k("done"), done, RESPONSE, expires_at=T0 + TTL)
+    await batched.complete(k("done"), done, RESPONSE, now=T0, ttl=TTL)
     await claim(batched, k("running"))
     async with holding(batched, k("held")):
         blocked = asyncio.ensure_future(claim(batched, k("held")))
@@ -457,10 +465,7 @@ async def test_a_failing_completion_batch_fails_every_completion_in_it(
 
     monkeypatch.setattr(inner, "_run", broken)
     completions = asyncio.gather(
-        *(
-            batched.complete(k(f"c{i}"), t, RESPONSE, expires_at=T0 + TTL)
-            for i, t in enumerate(tokens)
-        ),
+        *(batched.complete(k(f"c{i}"), t, RESPONSE, now=T0, ttl=TTL) for i, t in enumerate(tokens)),
         return_exceptions=True,
     )
     results = await asyncio.wait_for(completions, 10)
@@ -654,10 +659,10 @@ async def test_one_request_at_a_time_costs_one_round_trip_per_operation(
     for i in range(3):  # warm-up: connect and prepare
         token = tok()
         await claim(store, k(f"warm-{i}"), token=token)
-        await store.complete(k(f"warm-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+        await store.complete(k(f"warm-{i}"), token, RESPONSE, now=T0, ttl=TTL)
     wire.reset()
     for i in range(5):
         token = tok()
         assert (await claim(store, k(f"one-{i}"), token=token)).outcome is ClaimOutcome.CLAIMED
-        assert await store.complete(k(f"one-{i}"), token, RESPONSE, expires_at=T0 + TTL)
+        assert await store.complete(k(f"one-{i}"), token, RESPONSE, now=T0, ttl=TTL)
     assert len(wire.reset()) == 2 * 5

@@ -48,7 +48,7 @@ async def claim(
 ) -> Claim:
     t = now()
     return await lifecycle.claim(
-        store, key, h, token or tok(), now=t, locked_until=t + lease, expires_at=t + TTL,
+        store, key, h, token or tok(), now=t, lease=lease, ttl=TTL,
         orphaned=orphaned,
     )  # fmt: skip
 
@@ -143,9 +143,7 @@ async def test_a_key_held_by_a_transactional_request_answers_409_and_the_rest_go
     held = k("held-by-tx")
     t = now()
     async with batched.transaction() as tx:
-        mine = await lifecycle.claim(
-            tx, held, "h1", tok(), now=t, locked_until=t + LEASE, expires_at=t + TTL
-        )
+        mine = await lifecycle.claim(tx, held, "h1", tok(), now=t, lease=LEASE, ttl=TTL)
         assert mine.outcome is ClaimOutcome.CLAIMED  # its row is uncommitted, its lock held
         results = await _claims_around(batched, held, "in-a-batch")
     _check_only_the_held_key_waits(results, held)
@@ -156,14 +154,13 @@ async def test_a_completion_whose_row_is_locked_waits_alone(pg_url: str, batched
     for key, token in tokens.items():
         assert (await claim(batched, key, token=token)).owned
     held = k("c3")
-    expires = now() + TTL
     async with connection(pg_url) as app:
         tx = app.transaction()
         await tx.start()
         await app.execute("SELECT 1 FROM idempotency_records WHERE key = $1 FOR UPDATE", held)
         completions = {
             key: asyncio.ensure_future(
-                timed(batched.complete(key, t, RESPONSE, expires_at=expires))
+                timed(batched.complete(key, t, RESPONSE, now=now(), ttl=TTL))
             )
             for key, t in tokens.items()
         }
@@ -256,9 +253,9 @@ async def test_a_batch_locks_its_rows_in_key_order_whatever_its_order(
         assert (await claim(batched, key, token=token)).owned
     d = driver(batched)
     d.lock_wait = COMMAND_TIMEOUT  # long enough to look at the locks it holds meanwhile
-    until = now() + LEASE
+    lease_us = LEASE // timedelta(microseconds=1)
     batch = [
-        {"where_key": key, "where_token": t, "locked_until": until} for key, t in tokens.items()
+        {"where_key": key, "where_token": t, "lease_us": lease_us} for key, t in tokens.items()
     ]
     async with connection(pg_url) as holder, connection(pg_url) as probe:
         tx = holder.transaction()
@@ -293,23 +290,21 @@ async def test_renewals_and_completions_in_opposite_orders_never_deadlock(pg_url
         ordered = sorted(tokens.items())
         failures: list[BaseException] = []
 
-        async def renew(store: SQLStore, items: Sequence[tuple[str, str]], until: datetime) -> None:
+        async def renew(store: SQLStore, items: Sequence[tuple[str, str]], lease: timedelta) -> Any:
             answers = await asyncio.gather(
-                *(store.renew(key, t, locked_until=until) for key, t in items),
+                *(store.renew(key, t, now=now(), lease=lease) for key, t in items),
                 return_exceptions=True,
             )
             failures.extend(a for a in answers if isinstance(a, BaseException))
             assert all(a is True for a in answers if not isinstance(a, BaseException))
 
         for round_ in range(12):
-            until = now() + LEASE + timedelta(seconds=round_)
-            await asyncio.gather(renew(one, ordered, until), renew(two, ordered[::-1], until))
+            lease = LEASE + timedelta(seconds=round_)
+            await asyncio.gather(renew(one, ordered, lease), renew(two, ordered[::-1], lease))
         # Completions of every key against renewals of every key, in opposite orders.
-        expires = now() + TTL
-        later = now() + LEASE * 2
         done = await asyncio.gather(
-            *(one.complete(key, t, RESPONSE, expires_at=expires) for key, t in ordered),
-            *(two.renew(key, t, locked_until=later) for key, t in ordered[::-1]),
+            *(one.complete(key, t, RESPONSE, now=now(), ttl=TTL) for key, t in ordered),
+            *(two.renew(key, t, now=now(), lease=LEASE * 2) for key, t in ordered[::-1]),
             return_exceptions=True,
         )
         failures.extend(a for a in done if isinstance(a, BaseException))
@@ -338,13 +333,12 @@ async def test_completions_after_the_server_closed_idle_connections_all_land(
     # Warm the hot path: several connections checked out and idle in the driver.
     await asyncio.gather(*(claim(batched, key, token=t) for key, t in tokens.items()))
     await asyncio.gather(
-        *(batched.renew(key, t, locked_until=now() + LEASE) for key, t in tokens.items())
+        *(batched.renew(key, t, now=now(), lease=LEASE) for key, t in tokens.items())
     )
     assert await _terminate_others(pg_url) >= 1
     await asyncio.sleep(0.2)  # the driver has read each connection's end
-    expires = now() + TTL
     answers = await asyncio.gather(
-        *(batched.complete(key, t, RESPONSE, expires_at=expires) for key, t in tokens.items()),
+        *(batched.complete(key, t, RESPONSE, now=now(), ttl=TTL) for key, t in tokens.items()),
         return_exceptions=True,
     )
     assert answers == [True] * len(tokens)
@@ -378,9 +372,8 @@ async def test_a_batch_cut_on_a_broken_connection_is_retried_once_without_losing
         # Completions cut after landing: the retry changes nothing, and answers True
         # (completed by their own token), never False (a lost claim, logged as such).
         proxy.cut_after("unnest")
-        expires = now() + TTL
         done = await asyncio.gather(
-            *(store.complete(key, t, RESPONSE, expires_at=expires) for key, t in tokens.items()),
+            *(store.complete(key, t, RESPONSE, now=now(), ttl=TTL) for key, t in tokens.items()),
             return_exceptions=True,
         )
         assert proxy.cuts == 3
@@ -392,7 +385,7 @@ async def test_a_batch_cut_on_a_broken_connection_is_retried_once_without_losing
         token = tok()
         assert (await claim(store, k("lone"), token=token)).owned
         proxy.cut_after("UPDATE")
-        assert await store.complete(k("lone"), token, RESPONSE, expires_at=expires) is True
+        assert await store.complete(k("lone"), token, RESPONSE, now=now(), ttl=TTL) is True
         assert proxy.cuts == 4
 
 

@@ -105,7 +105,7 @@ async def test_a_statement_whose_answer_was_lost_is_answered_as_it_landed(
         proxy.cut_after("INSERT")
         assert (await claim(store, k("a"), token=token)).outcome is ClaimOutcome.CLAIMED
         proxy.cut_after("SET status='completed'")
-        assert await store.complete(k("a"), token, RESPONSE, expires_at=now() + TTL)
+        assert await store.complete(k("a"), token, RESPONSE, now=now(), ttl=TTL)
         await claim(store, k("b"), lease=timedelta(milliseconds=1))
         await asyncio.sleep(0.01)  # that claim's lease is over: the next takes it over
         proxy.cut_after("SET request_hash")

@@ -66,7 +66,7 @@ async def test_a_missing_table_is_schema_missing_on_every_operation(
         async with store.engine.begin() as conn:
             await conn.execute(text("DROP TABLE idempotency_records"))
         now = utcnow()
-        new = NewClaim("k" * 64, "h", "t", now, now + timedelta(seconds=5), now + timedelta(1))
+        new = NewClaim("k" * 64, "h", "t", now, timedelta(seconds=5), timedelta(1))
         operations: list[Callable[[], Awaitable[object]]] = [
             lambda: store.insert(new),
             lambda: store.release(new.key, new.token),

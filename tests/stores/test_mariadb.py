@@ -111,9 +111,7 @@ async def test_both_spellings_serve_and_set_the_server_side_limits(
         assert (float(limits[0]), int(limits[1])) == (2.5, 3)
         key = f"spelling-{scheme}"
         t = tok()
-        claimed = await lifecycle.claim(
-            store, key, "h", t, now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-        )
+        claimed = await lifecycle.claim(store, key, "h", t, now=T0, lease=LEASE, ttl=TTL)
         assert claimed.outcome is ClaimOutcome.CLAIMED
         assert await store.release(key, t)
         reason = store.transactions_unavailable
@@ -128,17 +126,18 @@ async def test_both_spellings_serve_and_set_the_server_side_limits(
 
 async def test_microseconds_and_large_bodies_survive(mstore: SQLStore) -> None:
     key, t = "m" * 64, tok()
-    await lifecycle.claim(mstore, key, "h", t, now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL)
+    lease = LEASE + timedelta(microseconds=7)  # the server adds it to its own time
+    await lifecycle.claim(mstore, key, "h", t, now=T0, lease=lease, ttl=TTL)
     seen = await mstore.get(key)
     assert seen is not None
-    assert (seen.created_at, seen.locked_until) == (T0, T0 + LEASE)
+    assert seen.locked_until - seen.created_at == lease
     # The take-over's compare-and-swap matches the lease to the microsecond.
     later = T0 + LEASE + timedelta(microseconds=1)
-    taker = NewClaim(key, "h", tok(), later, later + LEASE, later + TTL)
+    taker = NewClaim(key, "h", tok(), later, LEASE, TTL)
     assert await mstore.replace(seen, taker)
     body = bytes(range(256)) * 8192  # 2 MiB: past BLOB's 64 KiB
     response = StoredResponse(201, ((b"content-type", b"application/octet-stream"),), body)
-    assert await mstore.complete(key, taker.token, response, expires_at=later + TTL)
+    assert await mstore.complete(key, taker.token, response, now=later, ttl=TTL)
     stored = await mstore.get(key)
     assert stored is not None
     assert stored.response == response
@@ -157,9 +156,7 @@ async def test_what_insert_ignore_would_truncate_is_refused(
     mstore: SQLStore, key: str, request_hash: str, token: str
 ) -> None:
     with pytest.raises(StoreError, match="at most"):
-        await lifecycle.claim(
-            mstore, key, request_hash, token, now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-        )
+        await lifecycle.claim(mstore, key, request_hash, token, now=T0, lease=LEASE, ttl=TTL)
     async with mstore.engine.connect() as conn:
         count = (await conn.execute(text("SELECT COUNT(*) FROM idempotency_records"))).scalar()
     assert count == 0
@@ -169,9 +166,7 @@ async def test_a_statement_blocked_on_a_row_lock_is_a_store_error_and_never_comm
     mariadb_url: str, mstore: SQLStore
 ) -> None:
     key, owner = "l" * 64, tok()
-    await lifecycle.claim(
-        mstore, key, "h", owner, now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-    )
+    await lifecycle.claim(mstore, key, "h", owner, now=T0, lease=LEASE, ttl=TTL)
     impatient = SQLStore(mariadb_url, command_timeout=0.5)
     blocker = await mstore.engine.connect()
     try:
@@ -181,7 +176,7 @@ async def test_a_statement_blocked_on_a_row_lock_is_a_store_error_and_never_comm
         )
         started = time.monotonic()
         with pytest.raises(StoreError) as caught:
-            await impatient.renew(key, owner, locked_until=T0 + 2 * LEASE)
+            await impatient.renew(key, owner, now=T0, lease=2 * LEASE)
         waited = time.monotonic() - started
         # The server gave up by itself (max_statement_time, under the 1 s lock wait
         # timeout and the client's 1.5 s read timeout): the connection is still good.
@@ -189,13 +184,15 @@ async def test_a_statement_blocked_on_a_row_lock_is_a_store_error_and_never_comm
         assert "max_statement_time" in str(caught.value)
         assert "'" + key not in str(caught.value)
         await blocker.rollback()
-        assert await impatient.renew(key, owner, locked_until=T0 + 3 * LEASE)
+        assert await impatient.renew(key, owner, now=T0, lease=3 * LEASE)
     finally:
         await blocker.close()
         await impatient.close()
     record = await mstore.get(key)
     assert record is not None
-    assert record.locked_until == T0 + 3 * LEASE  # the abandoned renewal never landed
+    assert record.read_at is not None
+    # The last renewal's lease, on the server's clock: the abandoned one never landed.
+    assert record.locked_until - record.read_at > 2.5 * LEASE
 
 
 async def test_an_unreachable_server_is_a_store_error(refused_url: str) -> None:
@@ -203,9 +200,7 @@ async def test_an_unreachable_server_is_a_store_error(refused_url: str) -> None:
     store = SQLStore(f"mariadb+asyncmy://root@127.0.0.1:{port}/nowhere", command_timeout=1)
     try:
         with pytest.raises(StoreError):
-            await lifecycle.claim(
-                store, "k", "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-            )
+            await lifecycle.claim(store, "k", "h", tok(), now=T0, lease=LEASE, ttl=TTL)
     finally:
         await store.close()
 
@@ -273,9 +268,7 @@ async def test_hot_path_connections_never_go_back_to_the_pool_in_autocommit(
     store = SQLStore(engine)  # the caller's engine: the pool outlives the store
     try:
         key, t = "p" * 64, tok()
-        await lifecycle.claim(
-            store, key, "h", t, now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-        )
+        await lifecycle.claim(store, key, "h", t, now=T0, lease=LEASE, ttl=TTL)
         await store.close()
         async with engine.connect() as conn:
             await conn.execute(text("DELETE FROM idempotency_records WHERE `key` = :k"), {"k": key})
@@ -313,9 +306,7 @@ async def test_a_deadlock_is_a_store_error(mariadb_url: str, mstore: SQLStore) -
         )
 
         async def one(store: SQLStore) -> lifecycle.Claim:
-            return await lifecycle.claim(
-                store, key, "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-            )
+            return await lifecycle.claim(store, key, "h", tok(), now=T0, lease=LEASE, ttl=TTL)
 
         racers = [asyncio.create_task(one(s)) for s in stores]
         async with mstore.engine.connect() as watcher:  # both wait on the blocker's row
@@ -350,9 +341,7 @@ async def test_a_deadlock_is_a_store_error(mariadb_url: str, mstore: SQLStore) -
 
 
 async def _claim_new(store: SQLStore, key: str) -> ClaimOutcome:
-    claim = await lifecycle.claim(
-        store, key, "h", tok(), now=T0, locked_until=T0 + LEASE, expires_at=T0 + TTL
-    )
+    claim = await lifecycle.claim(store, key, "h", tok(), now=T0, lease=LEASE, ttl=TTL)
     return claim.outcome
 
 

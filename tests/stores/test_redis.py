@@ -36,6 +36,7 @@ from tests.stores.test_round_trips import _drive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.redis]
 
+NO_LEASE, HOUR = timedelta(0), timedelta(hours=1)
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')
 
 
@@ -139,9 +140,13 @@ async def test_the_ttl_is_the_policys_retention(rstore: RedisStore, tiny: Any) -
         app.gate.set()
         assert (await first).status_code == 201
         took_ms = (time.monotonic() - began) * 1000
-    # The completion's TTL counts from the claim's creation: never shorter than asked,
-    # and longer by no more than the claim's age at completion (under this request's).
-    assert 600_000 <= await rstore.client.pttl(name) <= 600_000 + took_ms
+    # The completion's TTL counts from the completion, on the server's clock, as its
+    # expires_at does: the ttl asked for, less what has passed since.
+    left = await rstore.client.pttl(name)
+    assert 600_000 - took_ms <= left <= 600_000
+    record = await rstore.get(name.decode().removeprefix("idem:{").removesuffix("}"))
+    assert record is not None
+    assert record.expires_at - record.created_at >= timedelta(minutes=10)
 
 
 async def test_an_expired_ttl_makes_the_key_new_with_no_prune(
@@ -159,10 +164,10 @@ async def test_an_expired_ttl_makes_the_key_new_with_no_prune(
 
 async def test_scripts_flushed_on_the_server_are_reloaded(rstore: RedisStore) -> None:
     now = datetime.now(UTC)
-    new = NewClaim("a" * 64, "h", "t1", now, now + timedelta(seconds=30), now + timedelta(hours=1))
+    new = NewClaim("a" * 64, "h", "t1", now, timedelta(seconds=30), timedelta(hours=1))
     assert await rstore.insert(new) is None
     await rstore.client.script_flush()  # as after a restart or a failover to a bare replica
-    assert await rstore.complete("a" * 64, "t1", RESPONSE, expires_at=now + timedelta(hours=1))
+    assert await rstore.complete("a" * 64, "t1", RESPONSE, now=now, ttl=HOUR)
     record = await rstore.get("a" * 64)
     assert record is not None
     assert record.status is RecordStatus.COMPLETED
@@ -173,9 +178,7 @@ async def test_find_and_buckets_scan_every_primary(rstore: RedisStore) -> None:
     now = datetime.now(UTC)
     keys = [f"{i:02x}" + "0" * 62 for i in range(0, 256, 8)]  # spread over the slots
     for k in keys:
-        claim = NewClaim(
-            k, "h", "t-" + k, now, now + timedelta(seconds=30), now + timedelta(hours=1)
-        )
+        claim = NewClaim(k, "h", "t-" + k, now, timedelta(seconds=30), timedelta(hours=1))
         assert await rstore.insert(claim) is None
     assert [r.key for r in await rstore.find("f8", limit=5)] == ["f8" + "0" * 62]
     assert len(await rstore.find("", limit=100)) == len(keys)
@@ -193,11 +196,11 @@ async def test_find_and_buckets_scan_every_primary(rstore: RedisStore) -> None:
 
 async def test_find_treats_glob_characters_as_text(rstore: RedisStore) -> None:
     now = datetime.now(UTC)
-    await rstore.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
+    await rstore.insert(NewClaim("ab" + "0" * 62, "h", "t", now, NO_LEASE, HOUR))
     assert await rstore.find("*") == []
     assert await rstore.find("a?") == []
     odd = RedisStore(rstore.client, key_prefix="my*app[1]")  # the prefix is text too
-    await odd.insert(NewClaim("ab" + "0" * 62, "h", "t", now, now, now + timedelta(hours=1)))
+    await odd.insert(NewClaim("ab" + "0" * 62, "h", "t", now, NO_LEASE, HOUR))
     assert [r.key for r in await odd.find("ab")] == ["ab" + "0" * 62]
     assert [b.count for b in await odd.buckets(now=now)] == [1]
     assert [b.count for b in await rstore.buckets(now=now)] == [1]  # each its own records
@@ -217,23 +220,22 @@ async def test_a_call_retried_after_its_write_landed_reports_the_write_as_its_ow
     """
     now = datetime.now(UTC)
     lease, ttl = timedelta(seconds=30), timedelta(hours=1)
-    new = NewClaim("d" * 64, "h", "t1", now, now + lease, now + ttl)
+    new = NewClaim("d" * 64, "h", "t1", now, lease, ttl)
     assert await rstore.insert(new) is None
     assert await rstore.insert(new) is None  # the resend
     later = now + 2 * lease
     current = await rstore.get("d" * 64)
     assert current is not None
-    taker = NewClaim("d" * 64, "h", "t2", later, later + lease, later + ttl)
+    taker = NewClaim("d" * 64, "h", "t2", later, lease, ttl)
     assert await rstore.replace(current, taker)
     assert await rstore.replace(current, taker)  # the resend
-    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)
-    assert await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + ttl)  # the resend
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, now=later, ttl=ttl)
+    assert await rstore.complete("d" * 64, "t2", RESPONSE, now=later, ttl=ttl)  # the resend
     other = StoredResponse(500, (), b"other")
-    assert not await rstore.complete("d" * 64, "t2", other, expires_at=later + ttl)
-    assert not await rstore.complete("d" * 64, "t2", RESPONSE, expires_at=later + 2 * ttl)
+    assert not await rstore.complete("d" * 64, "t2", other, now=later, ttl=ttl)
     # A stranger's token still gets nothing, whatever the state.
-    assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, later, later + ttl))
-    assert not await rstore.complete("d" * 64, "t1", RESPONSE, expires_at=later + ttl)
+    assert await rstore.insert(NewClaim("d" * 64, "h", "t3", later, timedelta(0), ttl))
+    assert not await rstore.complete("d" * 64, "t1", RESPONSE, now=later, ttl=ttl)
 
 
 # Errors: all of them StoreError, so the middleware's 503 path applies.
@@ -271,7 +273,9 @@ async def test_a_hung_server_is_a_store_error_within_the_command_timeout(
             for call in (
                 store.get("a" * 64),
                 store.insert(NewClaim("b" * 64, "h", "t", *_claim_times())),
-                store.complete("b" * 64, "t", RESPONSE, expires_at=_claim_times()[2]),
+                store.complete(
+                    "b" * 64, "t", RESPONSE, now=_claim_times()[0], ttl=_claim_times()[2]
+                ),
             ):
                 started = time.monotonic()
                 with pytest.raises(StoreError):
@@ -294,9 +298,8 @@ async def test_a_hung_server_is_a_store_error_within_the_command_timeout(
         server.stop()
 
 
-def _claim_times() -> tuple[datetime, datetime, datetime]:
-    now = datetime.now(UTC)
-    return now, now + timedelta(seconds=30), now + timedelta(hours=1)
+def _claim_times() -> tuple[datetime, timedelta, timedelta]:
+    return datetime.now(UTC), timedelta(seconds=30), timedelta(hours=1)
 
 
 async def test_a_claim_that_timed_out_is_released_once_the_server_answers_again(
@@ -457,7 +460,7 @@ async def test_a_read_only_replica_is_a_store_error(primary_and_replica: Any) ->
     now = datetime.now(UTC)
     try:
         with pytest.raises(StoreError, match="ReadOnlyError"):
-            await store.insert(NewClaim("a" * 64, "h", "t", now, now, now + timedelta(hours=1)))
+            await store.insert(NewClaim("a" * 64, "h", "t", now, NO_LEASE, HOUR))
     finally:
         await store.close()
 
@@ -468,19 +471,18 @@ async def test_wait_replicas_waits_for_a_replica_and_fails_without_one(
     primary, replica = primary_and_replica
     await _wait_linked(replica)
     now = datetime.now(UTC)
-    later = now + timedelta(hours=1)
     store = RedisStore(primary.url, command_timeout=10, wait_replicas=1, wait_timeout=5)
     lonely = RedisStore(primary.url, wait_replicas=2, wait_timeout=0.3)
     name = "idem:{" + "a" * 64 + "}"
     try:
         await store.client.script_flush()  # the pipelined EVALSHA reloads too
-        assert await store.insert(NewClaim("a" * 64, "h", "t", now, now, later)) is None
+        assert await store.insert(NewClaim("a" * 64, "h", "t", now, NO_LEASE, HOUR)) is None
         # Acknowledged by the replica before the call returned: it is there now.
         assert replica.cli("HGET", name, "s").strip() == "in_progress"
-        assert await store.complete("a" * 64, "t", RESPONSE, expires_at=later)
+        assert await store.complete("a" * 64, "t", RESPONSE, now=now, ttl=HOUR)
         assert replica.cli("HGET", name, "s").strip() == "completed"
         with pytest.raises(StoreError, match="WAIT: 1 of 2 replicas"):
-            await lonely.insert(NewClaim("b" * 64, "h", "t", now, now, later))
+            await lonely.insert(NewClaim("b" * 64, "h", "t", now, NO_LEASE, HOUR))
     finally:
         await store.close()
         await lonely.close()
@@ -491,14 +493,13 @@ async def test_wait_replicas_on_the_cluster_waits_on_the_keys_own_primary(
 ) -> None:
     store = RedisStore(redis_cluster_url, wait_replicas=1, wait_timeout=2)
     now = datetime.now(UTC)
-    later = now + timedelta(hours=1)
     try:
         await store.client.flushall()
         for k in ("1", "2", "3", "4", "5", "6"):  # spread over the primaries
             key = k * 64
-            assert await store.insert(NewClaim(key, "h", "t", now, now, later)) is None
-            assert await store.complete(key, "t", RESPONSE, expires_at=later)
-            assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
+            assert await store.insert(NewClaim(key, "h", "t", now, NO_LEASE, HOUR)) is None
+            assert await store.complete(key, "t", RESPONSE, now=now, ttl=HOUR)
+            assert await store.insert(NewClaim(key, "h", "u", now, NO_LEASE, HOUR)) is not None
     finally:
         await store.close()
 
@@ -528,11 +529,10 @@ async def test_wait_mode_follows_a_moved_after_a_failover(replicated_cluster: Ou
     cluster = replicated_cluster
     store = RedisStore(cluster.url, command_timeout=3, wait_replicas=1, wait_timeout=1)
     now = datetime.now(UTC)
-    later = now + timedelta(hours=1)
     key, other = "5" * 64, "6" * 64
     try:
-        assert await store.insert(NewClaim(key, "h", "t", now, now + timedelta(minutes=1),
-                                           later)) is None  # fmt: skip
+        assert await store.insert(NewClaim(key, "h", "t", now, timedelta(minutes=1),
+                                           timedelta(hours=1))) is None  # fmt: skip
         old = cluster.primary_of(f"idem:{{{key}}}")
         others = [k for k in _keys_on(store, old.port, 7) if k != key][:6]
         new = _replica_of(cluster, old)
@@ -549,8 +549,8 @@ async def test_wait_mode_follows_a_moved_after_a_failover(replicated_cluster: Ou
         # to every one of these at once: one refreshes the map, the others meet the
         # refresh in flight, and each follows its MOVED all the same.
         completed, *claimed = await asyncio.gather(
-            store.complete(key, "t", RESPONSE, expires_at=later),
-            *(store.insert(NewClaim(k, "h", "t", now, now, later)) for k in others),
+            store.complete(key, "t", RESPONSE, now=now, ttl=HOUR),
+            *(store.insert(NewClaim(k, "h", "t", now, NO_LEASE, HOUR)) for k in others),
         )
         assert completed
         assert claimed == [None] * len(others)
@@ -558,8 +558,8 @@ async def test_wait_mode_follows_a_moved_after_a_failover(replicated_cluster: Ou
         assert record is not None
         assert record.status is RecordStatus.COMPLETED
         # The map is fresh now: the next write goes straight to the new primary.
-        assert await store.insert(NewClaim(key, "h", "u", now, now, later)) is not None
-        assert await store.insert(NewClaim(other, "h", "u", now, now, later)) is None
+        assert await store.insert(NewClaim(key, "h", "u", now, NO_LEASE, HOUR)) is not None
+        assert await store.insert(NewClaim(other, "h", "u", now, NO_LEASE, HOUR)) is None
         assert isinstance(store.client, RedisCluster)
         assert all(node.port != old.port for node in store.client.get_primaries())
     finally:
@@ -610,18 +610,19 @@ async def test_a_passed_client_is_the_callers(redis_url: str) -> None:
 async def test_a_stale_owner_is_fenced_on_the_cluster_too(rstore: RedisStore) -> None:
     """The contract's fencing, through the lifecycle, on each store kind of this file."""
     t0 = datetime.now(UTC)
-    lease, ttl = timedelta(seconds=1), timedelta(hours=1)
-    old = await lifecycle.claim(rstore, "c" * 64, "h", "old", now=t0, locked_until=t0 + lease,
-                                expires_at=t0 + ttl)  # fmt: skip
+    lease, ttl = timedelta(seconds=0.5), timedelta(hours=1)
+    old = await lifecycle.claim(rstore, "c" * 64, "h", "old", now=t0, lease=lease,
+                                ttl=ttl)  # fmt: skip
     assert old.owned
-    later = t0 + 2 * lease
+    await asyncio.sleep(2 * lease.total_seconds())  # the server's clock decides the lease
+    later = datetime.now(UTC)
     new = await lifecycle.claim(rstore, "c" * 64, "h", "new", now=later,
-                                locked_until=later + lease, expires_at=later + ttl)  # fmt: skip
+                                lease=lease, ttl=ttl)  # fmt: skip
     assert new.outcome is lifecycle.ClaimOutcome.TAKEN_OVER
-    assert not await rstore.complete("c" * 64, "old", RESPONSE, expires_at=later + ttl)
-    assert not await rstore.renew("c" * 64, "old", locked_until=later + 10 * lease)
+    assert not await rstore.complete("c" * 64, "old", RESPONSE, now=later, ttl=ttl)
+    assert not await rstore.renew("c" * 64, "old", now=later, lease=10 * lease)
     assert not await rstore.release("c" * 64, "old")
-    assert await rstore.complete("c" * 64, "new", RESPONSE, expires_at=later + ttl)
+    assert await rstore.complete("c" * 64, "new", RESPONSE, now=later, ttl=ttl)
 
 
 # One error boundary (issue 25): the driver's failures are StoreError (503), the rest
@@ -688,7 +689,12 @@ async def test_capabilities_are_declared(redis_url: str) -> None:
         assert capabilities(store) is store.capabilities
         # prune=False: Redis deletes each record itself when its TTL ends.
         assert store.capabilities == Capabilities(
-            transactions=False, batching=True, stats=True, prune=False, audit=True
+            transactions=False,
+            batching=True,
+            stats=True,
+            prune=False,
+            audit=True,
+            own_clock=True,  # leases on the server's TIME
         )
     finally:
         await store.close()
@@ -701,27 +707,31 @@ async def test_the_row_in_a_claims_way_comes_back_byte_for_byte(rstore: RedisSto
     """The insert script packs the row in its way into one reply (lengths, then the
     values back to back): bodies and headers holding spaces, newlines and any byte,
     and tokens of any text, come back exactly."""
-    now, locked, expires = _claim_times()
+    now, lease, ttl = _claim_times()
     key, token = "9" * 64, "a token\nwith a newline"
     response = StoredResponse(
         200, ((b"x-note", b"two words\t"), (b"content-type", b"text/plain")), b"a\nb c\x00\xff\n"
     )
-    assert await rstore.insert(NewClaim(key, "h é 1", token, now, locked, expires)) is None
-    running = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
+    assert await rstore.insert(NewClaim(key, "h é 1", token, now, lease, ttl)) is None
+    running = await rstore.insert(NewClaim(key, "h é 1", "other", now, lease, ttl))
     assert running is not None
     assert (running.request_hash, running.token, running.response) == ("h é 1", token, None)
-    assert (running.created_at, running.locked_until, running.expires_at) == (now, locked, expires)
-    assert await rstore.complete(key, token, response, expires_at=expires)
-    done = await rstore.insert(NewClaim(key, "h é 1", "other", now, locked, expires))
+    # The server's clock wrote the deadlines, and read the row a moment later.
+    assert running.locked_until - running.created_at == lease
+    assert running.expires_at - running.created_at == ttl
+    assert running.read_at is not None
+    assert running.created_at <= running.read_at < running.locked_until
+    assert await rstore.complete(key, token, response, now=now, ttl=ttl)
+    done = await rstore.insert(NewClaim(key, "h é 1", "other", now, lease, ttl))
     assert done is not None
     assert (done.status, done.response) == (RecordStatus.COMPLETED, response)
     empty = StoredResponse(204, (), b"")
-    assert await rstore.insert(NewClaim("8" * 64, "h", "t", now, locked, expires)) is None
-    assert await rstore.complete("8" * 64, "t", empty, expires_at=expires)
-    again = await rstore.insert(NewClaim("8" * 64, "h", "u", now, locked, expires))
+    assert await rstore.insert(NewClaim("8" * 64, "h", "t", now, lease, ttl)) is None
+    assert await rstore.complete("8" * 64, "t", empty, now=now, ttl=ttl)
+    again = await rstore.insert(NewClaim("8" * 64, "h", "u", now, lease, ttl))
     assert again is not None
     assert again.response == empty
-    assert again == await rstore.get("8" * 64)
+    assert again._replace(read_at=None) == await rstore.get("8" * 64)
 
 
 async def test_a_completion_resent_after_a_client_kill_is_no_lost_claim(

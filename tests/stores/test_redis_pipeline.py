@@ -34,13 +34,13 @@ LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
 
 def _new(key: str, token: str, request_hash: str = "h") -> NewClaim:
     now = datetime.now(UTC)
-    return NewClaim(key, request_hash, token, now, now + LEASE, now + TTL)
+    return NewClaim(key, request_hash, token, now, LEASE, TTL)
 
 
 async def _claim(store: RedisStore, key: str, token: str, request_hash: str = "h") -> ClaimOutcome:
     now = datetime.now(UTC)
     answer = await lifecycle.claim(store, key, request_hash, token, now=now,
-                                   locked_until=now + LEASE, expires_at=now + TTL)  # fmt: skip
+                                   lease=LEASE, ttl=TTL)  # fmt: skip
     return answer.outcome
 
 
@@ -68,10 +68,10 @@ async def test_concurrent_claims_share_pipelines_and_each_is_answered(
     ]
     # Completions, releases and renewals share pipelines too, each fenced by its token.
     done = await asyncio.gather(
-        *(rstore.complete(k, f"t{i}", RESPONSE, expires_at=datetime.now(UTC) + TTL)
+        *(rstore.complete(k, f"t{i}", RESPONSE, now=datetime.now(UTC), ttl=TTL)
           for i, k in enumerate(keys[:100])),
         *(rstore.release(k, "not-the-owner") for k in keys[100:150]),
-        *(rstore.renew(k, f"t{i + 150}", locked_until=datetime.now(UTC) + 2 * LEASE)
+        *(rstore.renew(k, f"t{i + 150}", now=datetime.now(UTC), lease=2 * LEASE)
           for i, k in enumerate(keys[150:])),
     )  # fmt: skip
     assert done == [True] * 100 + [False] * 50 + [True] * 50
@@ -97,7 +97,7 @@ async def test_claims_of_one_key_in_one_pipeline_run_once(rstore: RedisStore) ->
     assert outcomes.count(ClaimOutcome.IN_PROGRESS) == 19
     owner = f"t{outcomes.index(ClaimOutcome.CLAIMED)}"
     assert owner == "t0"  # arrival order
-    assert await rstore.complete(key, owner, RESPONSE, expires_at=datetime.now(UTC) + TTL)
+    assert await rstore.complete(key, owner, RESPONSE, now=datetime.now(UTC), ttl=TTL)
     storm = await asyncio.gather(
         *(_claim(rstore, key, f"r{i}") for i in range(20)), _claim(rstore, key, "x", "other")
     )
@@ -139,8 +139,8 @@ async def test_a_cancelled_waiter_never_cancels_its_pipeline(rstore: RedisStore)
                 "h",
                 f"t{i}",
                 now=now,
-                locked_until=now + LEASE,
-                expires_at=now + TTL,
+                lease=LEASE,
+                ttl=TTL,
                 orphaned=orphaned.append,
             )
         )
@@ -273,7 +273,7 @@ async def test_scripts_flushed_on_the_server_are_reloaded_for_a_pipeline(
     # queue behind it and meet NOSCRIPT in their pipeline.
     blocker, *done = await asyncio.gather(
         rstore.insert(_new(first, "t")),
-        *(rstore.complete(k, "t", RESPONSE, expires_at=expires) for k in keys),
+        *(rstore.complete(k, "t", RESPONSE, now=expires - TTL, ttl=TTL) for k in keys),
     )
     assert blocker is None
     assert done == [True] * 10

@@ -32,8 +32,8 @@ async def small(pg_url: str) -> AsyncIterator[SQLStore]:
 
 async def claim(store: SQLStore, key: str) -> ClaimOutcome:
     claim = await lifecycle.claim(store,
-        key, "h", uuid.uuid4().hex, now=NOW, locked_until=NOW + timedelta(seconds=30),
-        expires_at=NOW + timedelta(hours=1),
+        key, "h", uuid.uuid4().hex, now=NOW, lease=timedelta(seconds=30),
+        ttl=timedelta(hours=1),
     )  # fmt: skip
     return claim.outcome
 

@@ -24,7 +24,7 @@ from asgi_idempotency.stores.sqlite import ConnectionThread, SQLiteDriver
 pytestmark = pytest.mark.anyio
 
 NOW = datetime.now(UTC)
-LEASE, TTL = NOW + timedelta(seconds=30), NOW + timedelta(hours=1)
+LEASE, TTL = timedelta(seconds=30), timedelta(hours=1)
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
 WAIT = 10  # seconds any one answer may take before the test fails rather than hangs
 
@@ -90,7 +90,7 @@ async def held(store: SQLStore) -> Held:
 
 
 def claim_of(store: SQLStore, key: str, token: str, request_hash: str = "h") -> Awaitable[Any]:
-    return claim(store, key, request_hash, token, now=NOW, locked_until=LEASE, expires_at=TTL)
+    return claim(store, key, request_hash, token, now=NOW, lease=LEASE, ttl=TTL)
 
 
 async def outcomes(tasks: list[asyncio.Task[Any]]) -> list[Any]:
@@ -217,7 +217,7 @@ async def test_a_cancelled_waiter_leaves_the_rest_of_its_batch_alone(store: SQLS
     assert [done[0].outcome, done[2].outcome] == [ClaimOutcome.CLAIMED] * 2
     # The cancelled claim was never sent, so no row waits for an owner that left.
     assert await keys(store) == ["p", "r"]
-    assert await store.complete("p", "tp", RESPONSE, expires_at=TTL)
+    assert await store.complete("p", "tp", RESPONSE, now=NOW, ttl=TTL)
 
 
 async def test_completions_queued_together_commit_together(store: SQLStore) -> None:
@@ -225,8 +225,8 @@ async def test_completions_queued_together_commit_together(store: SQLStore) -> N
         assert (await claim_of(store, f"c{i}", f"t{i}")).outcome is ClaimOutcome.CLAIMED
     h = await held(store)
     tasks = await h.behind(
-        *(store.complete(f"c{i}", f"t{i}", RESPONSE, expires_at=TTL) for i in range(3)),
-        store.complete("c0", "wrong-token", RESPONSE, expires_at=TTL),
+        *(store.complete(f"c{i}", f"t{i}", RESPONSE, now=NOW, ttl=TTL) for i in range(3)),
+        store.complete("c0", "wrong-token", RESPONSE, now=NOW, ttl=TTL),
     )
     await h.release()
     done = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)

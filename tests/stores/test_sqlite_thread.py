@@ -24,7 +24,7 @@ THREAD_NAME = "asgi-idempotency-sqlite"
 async def _claim(store: SQLStore, key: str, token: str = "t") -> ClaimOutcome:
     got = await claim(
         store, key, "h", token,
-        now=NOW, locked_until=NOW + timedelta(seconds=30), expires_at=NOW + timedelta(hours=1),
+        now=NOW, lease=timedelta(seconds=30), ttl=timedelta(hours=1),
     )  # fmt: skip
     return got.outcome
 

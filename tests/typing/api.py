@@ -257,15 +257,15 @@ async def stores(engine: AsyncEngine) -> list[Store]:
 
 
 async def records(store: Store) -> None:
-    new = NewClaim("k" * 64, "hash", "token", NOW, NOW + timedelta(seconds=30), NOW + timedelta(1))
+    new = NewClaim("k" * 64, "hash", "token", NOW, timedelta(seconds=30), timedelta(1))
     existing: Record | Literal[Busy.BUSY] | None = await store.insert(new)
     if existing is not None and existing is not BUSY:
         assert_type(existing.status, RecordStatus)
         assert_type(await store.replace(existing, new), bool)
     response = StoredResponse(201, ((b"content-type", b"application/json"),), b"{}")
-    assert_type(await store.complete(new.key, new.token, response, expires_at=NOW), bool)
+    assert_type(await store.complete(new.key, new.token, response, now=NOW, ttl=new.ttl), bool)
     assert_type(await store.release(new.key, new.token), bool)
-    assert_type(await store.renew(new.key, new.token, locked_until=NOW), bool)
+    assert_type(await store.renew(new.key, new.token, now=NOW, lease=new.lease), bool)
     assert_type(await store.get(new.key), Record | None)
     assert_type(await store.find("ab", limit=2), list[Record])
     caps: Capabilities = MemoryStore.capabilities
@@ -275,14 +275,25 @@ async def records(store: Store) -> None:
         assert_type(bucket.oldest_created_at, datetime | None)
     assert_type(await store.count_expired(now=NOW), int)
     assert_type(await store.prune(now=NOW, batch_size=500), int)
+    assert_type(await store.prune(), int)  # at the store's own time
     await store.prune(NOW)  # type: ignore[call-arg]  # now by keyword
     audited: AuditableStore = MemoryStore()
     assert_type(MemoryStore.capabilities.audit, bool)
+    assert_type(MemoryStore.capabilities.own_clock, bool)
     found = await audited.suspected_duplicates(since=NOW, window=timedelta(minutes=10))
     assert_type(found, list[SuspectedDuplicate])
     assert_type(found[0].keys, int)
     await audited.suspected_duplicates(NOW, timedelta(1))  # type: ignore[call-arg]  # by keyword
-    scoped = NewClaim("k" * 64, "h", "t", NOW, NOW, NOW, scope_digest="s" * 64, route="/x")
+    scoped = NewClaim(
+        "k" * 64,
+        "h",
+        "t",
+        NOW,
+        timedelta(seconds=30),
+        timedelta(days=1),
+        scope_digest="s" * 64,
+        route="/x",
+    )
     assert_type(scoped.scope_digest, str | None)
     StoredResponse(201, [], b"")  # type: ignore[arg-type]  # headers are a tuple of pairs
     await store.close()
@@ -309,7 +320,7 @@ async def transaction(store: TransactionalStore, new: NewClaim, done: StoredResp
         async with store.transaction() as tx:
             tx_: StoreTransaction = tx
             await tx_.insert(new)
-            await tx_.commit(new.key, new.token, done, expires_at=NOW + timedelta(days=1))
+            await tx_.commit(new.key, new.token, done, now=NOW, ttl=timedelta(days=1))
         async with store.transaction() as tx:
             await tx.commit_writes()  # the handler's writes alone (report-only mode)
 

@@ -72,6 +72,11 @@ class Record(NamedTuple):
     locked_until: datetime
     expires_at: datetime
     response: StoredResponse | None = None
+    # The store's own time when it read the row, where the store is shared and read
+    # it (Postgres and MariaDB/MySQL always; Redis with the row in an insert's way):
+    # the row's deadlines are judged at it, never at the caller's clock. ``None`` from
+    # a store on one host (memory, SQLite): judged at the caller's ``now``.
+    read_at: datetime | None = None
 
 
 class Busy(enum.Enum):
@@ -84,14 +89,19 @@ BUSY = Busy.BUSY
 
 
 class NewClaim(NamedTuple):
-    """A fresh in-progress claim, as ``insert`` and ``replace`` write it."""
+    """A fresh in-progress claim, as ``insert`` and ``replace`` write it.
+
+    The lease and the retention are durations: the store adds them to its own time
+    (``created_at``, ``locked_until = created_at + lease``, ``expires_at =
+    created_at + ttl``), so that hosts whose clocks disagree agree on every lease.
+    """
 
     key: str  # the scoped key: sha256 hex of (principal, client key)
     request_hash: str
     token: str  # fences complete/release/renew to this claim
-    now: datetime  # becomes created_at
-    locked_until: datetime
-    expires_at: datetime
+    now: datetime  # the caller's clock: the time of a store on one host (memory, SQLite)
+    lease: timedelta
+    ttl: timedelta  # never shorter than lease (lifecycle.claim sees to it)
     # What the audit groups by (:mod:`.duplicates`), written with the claim at no extra
     # round trip: a digest of the caller (host and principal, :func:`.keys.scope_digest`)
     # and the route template. None for claims that are not HTTP requests.
@@ -139,6 +149,10 @@ class Capabilities(NamedTuple):
     # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
     # store keeps each claim's scope digest and route where the audit can find them.
     audit: bool = False
+    # Leases, take-overs, renewals, completion and expiry are decided on the store's own
+    # clock (a shared database's or Redis's time), whatever ``now`` a caller passes; the
+    # caller's clock decides on a store of one host (memory, SQLite).
+    own_clock: bool = False
 
 
 def capabilities(store: object) -> Capabilities:
@@ -160,8 +174,17 @@ class Store(Protocol):
 
     ``insert`` and ``replace`` write a fresh in-progress claim; ``complete``,
     ``release`` and ``renew`` are fenced by the claim's ``token``, so a stale owner
-    never changes a row it lost. Times come from the caller's clock so that leases
-    and retention are testable; hosts sharing a store need synchronised clocks (NTP).
+    never changes a row it lost.
+
+    Leases and retention are decided on the store's clock: a store shared by several
+    hosts (Postgres, MariaDB/MySQL, Redis) computes every deadline from its own time
+    inside the statement or script, given the lease or ttl as a duration, compares
+    with its own time, and reports that time with the rows it reads
+    (:attr:`Record.read_at`), so that a host whose clock is ahead never takes over a
+    live claim and one behind never waits past a dead one. A store on one host
+    (memory, SQLite) takes the caller's ``now`` as its clock, which keeps tests'
+    clocks in control. The ``now`` arguments are that clock; shared stores ignore
+    them for every decision.
     """
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
@@ -184,19 +207,21 @@ class Store(Protocol):
         ...
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
-        """Store the response and mark the row completed, if ``token`` still owns it."""
+        """Store the response and mark the row completed, if ``token`` still owns it;
+        it expires ``ttl`` after the store's time."""
         ...
 
     async def release(self, key: str, token: str) -> bool:
         """Delete the row if ``token`` still owns it, so a retry runs again."""
         ...
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
-        """Extend a live claim's lease, if ``token`` still owns it.
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
+        """Extend a live claim's lease to ``lease`` past the store's time, if ``token``
+        still owns it.
 
-        Also moves the row's ``expires_at`` to at least ``locked_until`` (never back),
+        Also moves the row's ``expires_at`` to at least the new ``locked_until`` (never back),
         so that a handler outliving its ``ttl`` keeps its claim: an in-progress row
         whose lease is live is then never expired, neither to a claim nor to ``prune``
         (nor to a store's own expiry, such as a Redis key's TTL).
@@ -211,16 +236,22 @@ class Store(Protocol):
         """Up to ``limit`` rows whose scoped key starts with ``prefix`` (the logs' digest)."""
         ...
 
-    async def buckets(self, *, now: datetime) -> list[Bucket]:
-        """Every row counted into :class:`Bucket` s at ``now`` (an admin query)."""
+    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
+        """Every row counted into :class:`Bucket` s at ``now`` (an admin query).
+
+        ``now`` ``None``: the store's time (shared stores), the local clock (others).
+        """
         ...
 
-    async def count_expired(self, *, now: datetime) -> int:
-        """How many rows have ``expires_at <= now``."""
+    async def count_expired(self, *, now: datetime | None = None) -> int:
+        """How many rows have ``expires_at <= now`` (``now`` as in :meth:`buckets`)."""
         ...
 
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
-        """Delete up to ``batch_size`` rows with ``expires_at <= now``; return how many went."""
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
+        """Delete up to ``batch_size`` rows with ``expires_at <= now``; return how many went.
+
+        ``now`` ``None``: the store's time (shared stores), the local clock (others).
+        """
         ...
 
     async def close(self) -> None: ...
@@ -286,7 +317,7 @@ class StoreTransaction(Protocol):
     async def replace(self, expected: Record, new: NewClaim) -> bool: ...
 
     async def commit(self, key: str, token: str, response: StoredResponse, *,
-                     expires_at: datetime) -> None:  # fmt: skip
+                     now: datetime, ttl: timedelta) -> None:  # fmt: skip
         """Flush the handler's writes, complete the record, and commit, all or nothing.
 
         Raises:

@@ -102,7 +102,8 @@ def as_time(value: Any) -> datetime:
 
 
 def to_record(key: str, row: Sequence[Any]) -> Record:
-    """A :class:`Record` from ``row``, which holds :data:`~.statements.RECORD_COLUMNS` in order."""
+    """A :class:`Record` from ``row``, which holds :data:`~.statements.RECORD_COLUMNS` in order,
+    then, from a statement that reads the database's clock, the time it read the row."""
     response = None
     if row[6] is not None:
         response = StoredResponse(status=row[6], headers=decode_headers(row[7]), body=bytes(row[8]))
@@ -115,4 +116,5 @@ def to_record(key: str, row: Sequence[Any]) -> Record:
         locked_until=as_time(row[4]),
         expires_at=as_time(row[5]),
         response=response,
+        read_at=as_time(row[9]) if len(row) > 9 and row[9] is not None else None,
     )

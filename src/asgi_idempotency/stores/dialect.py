@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .base import Busy, StoreTransaction
 from .sqlerrors import ErrorBoundary
+from .statements import Clock
 
 __all__ = [
     "BACKENDS",
@@ -97,6 +98,10 @@ class SQLDialect:
     driver: str  # the async DBAPI driver the hot path speaks (engine.dialect.driver)
     errors: ErrorBoundary  # the driver's failures, mapped to StoreError once
     time: Callable[[datetime], Any]  # an aware time, as the driver binds it
+    # The database's clock, which decides leases and expiry for every host sharing it
+    # (its statements take durations); None on one host (SQLite): the caller's clock,
+    # bound as times.
+    clock: Clock | None
     hot_path: Callable[[AsyncEngine, HotPathOptions], HotPath]
     # create_async_engine's keyword arguments for an engine the store builds, from
     # (command_timeout, pool_size), and what to install on it once built.

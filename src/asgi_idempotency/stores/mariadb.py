@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import ClauseElement
@@ -40,11 +40,18 @@ from .mysql import DIALECT as _MYSQL
 from .mysql import MySQLDriver, _check_claim
 from .postgres import IdempotencyTransaction, own_claim
 from .sqlerrors import MYSQL_ERRORS
-from .statements import COMPLETE, MARIADB_TX_CLAIM, MYSQL, REPLACE, Compiled
+from .statements import (
+    MARIADB_TX_CLAIM,
+    MARIADB_TX_COMPLETE,
+    MARIADB_TX_REPLACE,
+    MYSQL,
+    Compiled,
+)
 
 __all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction", "server_problem"]
 
 _LOCK_WAIT_TIMEOUT = 1205
+_US = timedelta(microseconds=1)
 
 
 def _no_wait(stmt: ClauseElement) -> Compiled:
@@ -56,8 +63,8 @@ def _no_wait(stmt: ClauseElement) -> Compiled:
 
 _CLAIM = _no_wait(MARIADB_TX_CLAIM)
 # The claim's own row, locked by this transaction since its claim: nothing to wait for.
-_REPLACE = Compiled(REPLACE, _asyncmy_dialect())
-_COMPLETE = Compiled(COMPLETE, _asyncmy_dialect())
+_REPLACE = Compiled(MARIADB_TX_REPLACE, _asyncmy_dialect())
+_COMPLETE = Compiled(MARIADB_TX_COMPLETE, _asyncmy_dialect())
 
 
 class MariaDBDriver(MySQLDriver):
@@ -138,12 +145,12 @@ class MariaDBTransaction:
         return bool(result.rowcount)
 
     async def commit(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> None:
         values = {
             "where_key": key,
             "where_token": token,
-            "expires_at": mysql_time(expires_at),
+            "ttl_us": ttl // _US,
             "response_status": response.status,
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
@@ -166,12 +173,12 @@ class MariaDBTransaction:
 
 
 def _claim_values(new: NewClaim) -> dict[str, Any]:
+    # The lease and the retention as durations: the server's clock decides them.
     return {
         "request_hash": new.request_hash,
         "token": new.token,
-        "now": mysql_time(new.now),
-        "locked_until": mysql_time(new.locked_until),
-        "expires_at": mysql_time(new.expires_at),
+        "lease_us": new.lease // _US,
+        "ttl_us": new.ttl // _US,
         "scope_digest": new.scope_digest,
         "route": new.route,
     }

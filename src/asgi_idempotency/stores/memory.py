@@ -1,11 +1,23 @@
-"""In-process store: the same primitives as SQL, for tests and single-process demos."""
+"""In-process store: the same primitives as SQL, for tests and single-process demos.
+
+One process, one clock: leases and expiry are decided on the caller's ``now``.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 from typing import Any
 
-from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
+from .base import (
+    STATUS_OF,
+    Bucket,
+    Capabilities,
+    NewClaim,
+    Record,
+    RecordStatus,
+    StoredResponse,
+    utcnow,
+)
 from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 
 __all__ = ["MemoryStore"]
@@ -25,8 +37,9 @@ def _record(key: str, row: _Row) -> Record:
 
 
 def _claimed(new: NewClaim) -> _Row:
-    return (new.request_hash, _IN_PROGRESS, new.token, new.now, new.locked_until,
-            new.expires_at, None, new.scope_digest, new.route)  # fmt: skip
+    now = new.now
+    return (new.request_hash, _IN_PROGRESS, new.token, now, now + new.lease, now + new.ttl,
+            None, new.scope_digest, new.route)  # fmt: skip
 
 
 class MemoryStore:
@@ -46,9 +59,9 @@ class MemoryStore:
         if row is not None:
             return _record(key, row)
         # _claimed(new), inlined: every fresh request comes here.
-        self._rows[key] = (new.request_hash, _IN_PROGRESS, new.token, new.now,
-                           new.locked_until, new.expires_at, None, new.scope_digest,
-                           new.route)  # fmt: skip
+        now = new.now
+        self._rows[key] = (new.request_hash, _IN_PROGRESS, new.token, now, now + new.lease,
+                           now + new.ttl, None, new.scope_digest, new.route)  # fmt: skip
         return None
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
@@ -71,13 +84,13 @@ class MemoryStore:
         return row
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         row = self._rows.get(key)  # _owned(key, token), inlined: every completion comes here
         if row is None or row[2] != token or row[1] != _IN_PROGRESS:
             return False
         stored = (response.status, response.headers, response.body)
-        self._rows[key] = (row[0], _COMPLETED, row[2], row[3], row[4], expires_at, stored,
+        self._rows[key] = (row[0], _COMPLETED, row[2], row[3], row[4], now + ttl, stored,
                            row[7], row[8])  # fmt: skip
         return True
 
@@ -87,10 +100,11 @@ class MemoryStore:
         del self._rows[key]
         return True
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         row = self._owned(key, token)
         if row is None:
             return False
+        locked_until = now + lease
         # Retention never ends before the lease: a live claim is never expired.
         expires_at = max(row[5], locked_until)
         self._rows[key] = (row[0], row[1], row[2], row[3], locked_until, expires_at, row[6],
@@ -105,7 +119,8 @@ class MemoryStore:
         found = [_record(k, r) for k, r in self._rows.items() if k.startswith(prefix)]
         return sorted(found, key=lambda r: r.key)[:limit]
 
-    async def buckets(self, *, now: datetime) -> list[Bucket]:
+    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
+        now = utcnow() if now is None else now
         groups: dict[tuple[str, bool, bool], tuple[int, datetime | None]] = {}
         for row in self._rows.values():
             group = (row[1], row[5] <= now, row[4] <= now)
@@ -116,7 +131,8 @@ class MemoryStore:
             for (status, expired, lease_over), (count, oldest) in groups.items()
         ]
 
-    async def count_expired(self, *, now: datetime) -> int:
+    async def count_expired(self, *, now: datetime | None = None) -> int:
+        now = utcnow() if now is None else now
         return sum(1 for r in self._rows.values() if r[5] <= now)
 
     async def suspected_duplicates(
@@ -129,7 +145,8 @@ class MemoryStore:
         ]
         return group_sightings(sightings, window)
 
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
+        now = utcnow() if now is None else now
         expired = [k for k, r in self._rows.items() if r[5] <= now][:batch_size]
         for k in expired:
             del self._rows[k]

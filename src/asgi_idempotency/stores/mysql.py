@@ -50,7 +50,7 @@ from .dialect import HotPath, HotPathOptions, SQLDialect, pool_options
 from .postgres import LANDED, PostgresDriver, own_claim
 from .schema import create_tables, records
 from .sqlerrors import MYSQL_ERRORS
-from .statements import MYSQL
+from .statements import MYSQL, MYSQL_CLOCK
 
 __all__ = [
     "DIALECT",
@@ -464,6 +464,7 @@ DIALECT = SQLDialect(
     driver="asyncmy",
     errors=MYSQL_ERRORS,
     time=mysql_time,
+    clock=MYSQL_CLOCK,
     hot_path=_hot_path,
     engine_options=_engine_options,
     configure_engine=install_session_limits,

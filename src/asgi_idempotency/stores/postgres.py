@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -35,7 +35,7 @@ from .dialect import HotPath, HotPathOptions, SQLDialect, leave_engine, pool_opt
 from .queries import prune_by_ctid
 from .schema import create_tables
 from .sqlerrors import PG_ERRORS, ErrorBoundary
-from .statements import CLAIM_LOCKED, COMPLETE, PG, REPLACE
+from .statements import CLAIM_LOCKED, COMPLETE, PG, PG_CLOCK, REPLACE
 
 __all__ = [
     "DIALECT",
@@ -271,19 +271,32 @@ class PostgresDriver:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-def claimed_row(values: dict[str, Any]) -> tuple[Any, ...]:
-    """The row a claim inserted, as ``RECORD_COLUMNS``: in progress, no response."""
+_US = timedelta(microseconds=1)
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+
+
+def claimed_row(values: dict[str, Any], at: datetime) -> tuple[Any, ...]:
+    """The row a claim inserted at the database's time ``at``, as ``RECORD_COLUMNS``
+    and the time it was read at: in progress, no response."""
     return (
-        values["request_hash"], RecordStatus.IN_PROGRESS.value, values["token"],
-        values["now"], values["locked_until"], values["expires_at"], None, None, None,
+        values["request_hash"], _IN_PROGRESS, values["token"], at,
+        at + values["lease_us"] * _US, at + values["ttl_us"] * _US, None, None, None, at,
     )  # fmt: skip
 
 
 def _is_own(values: dict[str, Any], row: Sequence[Any]) -> bool:
-    # Exactly what this claim writes: its token, its fingerprint and its times, in
-    # progress (a token alone would not do: the regenerated-key detector's markers all
-    # share one).
-    return row[2] == values["token"] and tuple(row[:6]) == claimed_row(values)[:6]
+    # Exactly what this claim writes: its token, its fingerprint, its lease and its
+    # retention (measured from its created_at: the database's clock wrote them), in
+    # progress with no response (a token alone would not do: the regenerated-key
+    # detector's markers all share one).
+    return bool(
+        row[2] == values["token"]
+        and row[0] == values["request_hash"]
+        and row[1] == _IN_PROGRESS
+        and row[6] is None
+        and (row[4] - row[3]) // _US == values["lease_us"]
+        and (row[5] - row[3]) // _US == values["ttl_us"]
+    )
 
 
 def own_claim(
@@ -384,7 +397,8 @@ class PostgresTransaction:
         return row
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        values = new._asdict()
+        values = _claim_values(new)
+        values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
             row = await self._claim(values)
             if not row[0]:
@@ -404,8 +418,8 @@ class PostgresTransaction:
         # claim statement's snapshot, which may predate a rival's take-over that
         # committed before this transaction won the lock. The swap then fails and the
         # lifecycle claims again, in a snapshot that sees the rival's row.
-        values = new._asdict()
-        values["where_key"] = values.pop("key")
+        values = _claim_values(new)
+        values["where_key"] = new.key
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
         values["old_locked_until"] = expected.locked_until
@@ -414,12 +428,12 @@ class PostgresTransaction:
         return bool(result.rowcount)
 
     async def commit(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> None:
         values = {
             "where_key": key,
             "where_token": token,
-            "expires_at": expires_at,
+            "ttl_us": ttl // _US,
             "response_status": response.status,
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
@@ -439,6 +453,18 @@ class PostgresTransaction:
         with PG_ERRORS:
             await self.state.session.flush()
             await self._conn.commit()
+
+
+def _claim_values(new: NewClaim) -> dict[str, Any]:
+    """A claim's parameters: the lease and retention as durations, for the database's clock."""
+    return {
+        "request_hash": new.request_hash,
+        "token": new.token,
+        "lease_us": new.lease // _US,
+        "ttl_us": new.ttl // _US,
+        "scope_digest": new.scope_digest,
+        "route": new.route,
+    }
 
 
 @asynccontextmanager
@@ -543,6 +569,7 @@ DIALECT = SQLDialect(
     driver="asyncpg",
     errors=PG_ERRORS,
     time=pg_time,
+    clock=PG_CLOCK,
     hot_path=_hot_path,
     engine_options=_engine_options,
     configure_engine=leave_engine,

@@ -114,26 +114,17 @@ _WATCH_EVERY = 0.01
 # The parameters of each batched statement, from the one-request values dict SQLStore
 # builds, in the order of the arrays (PG_BATCHED[name].names is "<alias>_<column>").
 _FIELDS = {
-    "claim": (
-        "key",
-        "request_hash",
-        "token",
-        "now",
-        "locked_until",
-        "expires_at",
-        "scope_digest",
-        "route",
-    ),
+    "claim": ("key", "request_hash", "token", "lease_us", "ttl_us", "scope_digest", "route"),
     "complete": (
         "where_key",
         "where_token",
-        "expires_at",
+        "ttl_us",
         "response_status",
         "response_headers",
         "response_body",
     ),
     "release": ("where_key", "where_token"),
-    "renew": ("where_key", "where_token", "locked_until"),
+    "renew": ("where_key", "where_token", "lease_us"),
 }
 
 
@@ -316,7 +307,10 @@ class BatchingPostgresDriver:
             await asyncio.sleep(_WATCH_EVERY)
 
     async def _claim_alone(
-        self, values: dict[str, Any], backend: list[int] | None = None
+        self,
+        values: dict[str, Any],
+        backend: list[int] | None = None,
+        inserted_at: dict[str, Any] | None = None,
     ) -> ClaimAnswer:
         """The one-row claim, waiting a moment at most for a row lock: :data:`_HELD` past it.
 
@@ -341,6 +335,8 @@ class BatchingPostgresDriver:
             raise
         assert row is not None  # the LEFT JOIN always yields one row
         if row[1]:
+            if inserted_at is not None:
+                inserted_at[values["key"]] = row[-1]  # the statement's time: the row's
             return _INSERTED
         return _own(values, None if row[2] is None else tuple(row)[2:])
 
@@ -370,13 +366,16 @@ class BatchingPostgresDriver:
             first.setdefault(values["key"], values)
         unique = list(first.values())
         by_key: dict[str, ClaimAnswer] = {}
+        inserted_at: dict[str, Any] = {}  # key -> the database's time that inserted it
         landed = asyncio.get_running_loop().create_future()
         landing = self._landing
         for values in unique:
             landing[(values["key"], values["token"])] = landed
         try:
             if len(unique) == 1:  # alone: the one-row statement (see the module docstring)
-                by_key[unique[0]["key"]] = await self._claim_alone(unique[0])
+                by_key[unique[0]["key"]] = await self._claim_alone(
+                    unique[0], inserted_at=inserted_at
+                )
             else:
                 stmt = PG_BATCHED["claim"]
                 args = _arrays(stmt, unique, "claim", self._lock_timeout)
@@ -386,6 +385,7 @@ class BatchingPostgresDriver:
                 for row in rows:
                     if row[1]:
                         by_key[row[0]] = _INSERTED
+                        inserted_at[row[0]] = row[-1]
                     elif row[2] is not None:
                         by_key[row[0]] = _own(first[row[0]], tuple(row)[2:])
         finally:
@@ -397,7 +397,7 @@ class BatchingPostgresDriver:
             key = values["key"]
             answer = by_key.get(key, _NOT_VISIBLE)
             if answer[0] and first[key] is not values:
-                answer = (False, claimed_row(first[key]))
+                answer = (False, claimed_row(first[key], inserted_at[key]))
             answers.append(answer)
         return answers
 

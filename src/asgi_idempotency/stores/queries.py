@@ -1,5 +1,7 @@
 """The store's queries off the hot path (inspection, stats, prune), as SQLAlchemy Core.
 
+``now`` is a bound time or the database's clock as an expression (:mod:`.statements`).
+
 They run through Core on an autocommit connection, for every SQL dialect alike; the
 one per-dialect difference, how a prune batch finds its victims, is named here for
 Postgres and SQLite and in :mod:`.mysql` for MariaDB/MySQL.
@@ -28,21 +30,21 @@ __all__ = [
 ]
 
 
-def get_query(key: str) -> Select[Any]:
-    return select(*RECORD_COLUMNS).where(_t.c.key == key)
+def get_query(key: str, read_at: Any) -> Select[Any]:
+    return select(*RECORD_COLUMNS, read_at).where(_t.c.key == key)
 
 
-def find_query(prefix: str, limit: int) -> Select[Any]:
+def find_query(prefix: str, limit: int, read_at: Any) -> Select[Any]:
     # Keys are hex digests: a prefix has no LIKE metacharacters to escape.
     return (
-        select(_t.c.key, *RECORD_COLUMNS)
+        select(_t.c.key, *RECORD_COLUMNS, read_at)
         .where(_t.c.key.startswith(prefix, autoescape=True))
         .order_by(_t.c.key)
         .limit(limit)
     )
 
 
-def buckets_query(now: datetime) -> Select[Any]:
+def buckets_query(now: Any) -> Select[Any]:
     expired = (_t.c.expires_at <= now).label("expired")
     lease_over = (_t.c.locked_until <= now).label("lease_over")
     return select(
@@ -50,7 +52,7 @@ def buckets_query(now: datetime) -> Select[Any]:
     ).group_by(_t.c.status, expired, lease_over)
 
 
-def count_expired_query(now: datetime) -> Select[Any]:
+def count_expired_query(now: Any) -> Select[Any]:
     return select(func.count()).select_from(_t).where(_t.c.expires_at <= now)
 
 
@@ -80,12 +82,12 @@ def sightings_query(since: datetime, route: str | None) -> Select[Any]:
     )
 
 
-def _prune_by_key_statement(now: datetime, batch_size: int) -> Delete:
+def _prune_by_key_statement(now: Any, batch_size: int) -> Delete:
     victims = select(_t.c.key).where(_t.c.expires_at <= now).limit(batch_size)
     return delete(_t).where(_t.c.key.in_(victims.scalar_subquery()))
 
 
-def _prune_by_ctid_statement(now: datetime, batch_size: int) -> Delete:
+def _prune_by_ctid_statement(now: Any, batch_size: int) -> Delete:
     # The victims by ctid, not by key. The rows are then deleted where they lie (a TID
     # scan) instead of each found again through the primary key, a probe per row into
     # a big index (measured in bench/results/NOTES.md). Rows a
@@ -103,11 +105,11 @@ def _prune_by_ctid_statement(now: datetime, batch_size: int) -> Delete:
                             _t.c.expires_at <= now)  # fmt: skip
 
 
-async def prune_by_key(conn: AsyncConnection, *, now: datetime, batch_size: int) -> int:
+async def prune_by_key(conn: AsyncConnection, *, now: Any, batch_size: int) -> int:
     """One batch of the prune: up to ``batch_size`` rows expired at ``now``, found by index."""
     return int((await conn.execute(_prune_by_key_statement(now, batch_size))).rowcount)
 
 
-async def prune_by_ctid(conn: AsyncConnection, *, now: datetime, batch_size: int) -> int:
+async def prune_by_ctid(conn: AsyncConnection, *, now: Any, batch_size: int) -> int:
     """Postgres's prune batch: victims by ``ctid``, locked ones skipped (see above)."""
     return int((await conn.execute(_prune_by_ctid_statement(now, batch_size))).rowcount)

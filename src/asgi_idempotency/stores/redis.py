@@ -33,14 +33,15 @@ microseconds since the epoch (exact in Lua's doubles until the year 2255), ``rs`
 body bytes. Like the SQL store, this store decides nothing: what a row means is
 :mod:`asgi_idempotency.lifecycle`'s.
 
-Retention is Redis's own: every write sets the key's TTL from the caller's
-``expires_at``, so expired records disappear with no prune job. The TTL is a
-*duration* (``expires_at`` minus the caller's ``now``; at completion, minus the
-claim's ``created_at``, which can only lengthen it), so a clock that differs from
-the server's (a test's fake clock; skew) neither deletes a live record early nor
-keeps one that the lifecycle treats as live. A record whose ``expires_at`` has
-passed but whose TTL has not behaves as new all the same (the lifecycle reads
-``expires_at``); :meth:`RedisStore.prune` deletes such records for tools and tests.
+Leases and retention are on the server's clock: the scripts take the lease and the
+ttl as durations (microseconds) and read ``TIME`` themselves, so app hosts whose
+clocks disagree agree on every lease; the row in an insert's way comes back with the
+server time it was read at (:attr:`~.base.Record.read_at`), and the lifecycle judges
+it at that time. ``TIME`` before a write is safe to replicate: Redis 5 and later
+replicate a script's effects, not the script (Redis 7 knows no other way). Every
+write sets the key's TTL to the same duration as ``expires_at``, so expired records
+disappear with no prune job; :meth:`RedisStore.prune` deletes the few whose
+``expires_at`` passed before their TTL (by less than a millisecond) for tools and tests.
 
 Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
 ``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` at one boundary,
@@ -175,31 +176,57 @@ _AUDIT = """local a, m = ARGV[{first}], ARGV[{first} + 1]
   redis.call('ZADD', a, e, m)
   if redis.call('PTTL', a) < tonumber(ttl) then redis.call('PEXPIRE', a, ttl) end"""
 
-# A claim travels as ONE argument, "created locked expires ttl_ms #h h token"
+# A claim travels as ONE argument, "lease_us ttl_us #h h token"
 # (_claim_args): each argument is a round of redis-py's encoding and packing (several
 # isinstance checks and a length header each), and Lua splits the string for next to
 # nothing. The request hash and the token are any text: the length of h says where it
 # ends, and the token is the rest.
 # KEYS[1] record; ARGV the claim.
 # Returns 0 when written, else the row in the way packed into ONE bulk string:
-#   "s c l e rs #h #t #rh\n" h t rh rb
+#   "s c l e rs #h #t #rh now\n" h t rh rb
 # a line of the fields that are ours and never hold a space (rs empty while in
-# progress) and the byte lengths of h, t and rh, then the four values back to back
+# progress), the byte lengths of h, t and rh and the server's time (TIME, in
+# microseconds) when it read the row, then the four values back to back
 # (binary-safe: the lengths say where each ends, the body is the rest). Every bulk
 # reply is a few rounds of redis-py's pure-Python parser (a readline, a read, a
 # decode), so one reply instead of an array of five is most of what a replay costs on
 # our side of the socket, and _claimed takes it apart with one split and slices.
-_INSERT = (
-    """
-local c, l, e, ttl, n, rest = string.match(ARGV[1], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+"""
+
+
+def _claim_script(arg: int) -> str:
+    """The claim in ``ARGV[arg]`` taken apart, and its deadlines from the server's time:
+    created, locked_until, expires_at (integers as text: Lua's own number formatting
+    would round them) and the key's TTL in whole milliseconds, rounded up, at least 1
+    (0 would delete it)."""
+    return (
+        _NOW
+        + f"local lease, ttl_us, n, rest = string.match(ARGV[{arg}], '^(%d+) (%d+) (%d+) (.*)$')"
+        + """
 n = tonumber(n)
 local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
+local c = string.format('%d', now)
+local l = string.format('%d', now + tonumber(lease))
+local e = string.format('%d', now + tonumber(ttl_us))
+local ttl = math.ceil(tonumber(ttl_us) / 1000)
+if ttl < 1 then ttl = 1 end
+ttl = string.format('%d', ttl)
+"""
+    )
+
+
+_INSERT = (
+    _claim_script(1)
+    + """
 local row = redis.call('HMGET', KEYS[1], 'h', 's', 't', 'c', 'l', 'e', 'rs', 'rh', 'rb')
 if row[1] then
   if row[3] == t then return 0 end
   local rh = row[8] or ''
   return row[2] .. ' ' .. row[4] .. ' ' .. row[5] .. ' ' .. row[6] .. ' ' .. (row[7] or '')
-    .. ' ' .. #row[1] .. ' ' .. #row[3] .. ' ' .. #rh .. '\\n'
+    .. ' ' .. #row[1] .. ' ' .. #row[3] .. ' ' .. #rh .. ' ' .. c .. '\\n'
     .. row[1] .. row[3] .. rh .. (row[9] or '')
 end
 redis.call('HSET', KEYS[1], 'h', h, 's', 'in_progress', 't', t, 'c', c, 'l', l, 'e', e)
@@ -217,10 +244,8 @@ return 0
 # KEYS[1]; ARGV old token, old status, old locked_until, the claim (as _INSERT's).
 # Compare-and-swap on the row as read: 1 if swapped.
 _REPLACE = (
-    """
-local c, l, e, ttl, n, rest = string.match(ARGV[4], '^(%-?%d+) (%-?%d+) (%-?%d+) (%d+) (%d+) (.*)$')
-n = tonumber(n)
-local h, t = string.sub(rest, 1, n), string.sub(rest, n + 1)
+    _claim_script(4)
+    + """
 local row = redis.call('HMGET', KEYS[1], 't', 's', 'l')
 if row[1] == t then return 1 end
 if row[1] ~= ARGV[1] or row[2] ~= ARGV[2] or row[3] ~= ARGV[3] then return 0 end
@@ -237,28 +262,30 @@ return 1
 """
 )
 
-# KEYS[1]; ARGV "status expires token" (one argument, as a claim's; the token is the
-# rest), headers, body. The TTL runs from the claim's created_at (in the caller's
-# clock, like expires_at), so it is never shorter than the retention the caller asked
-# for.
-_COMPLETE = """
-local rs, e, t = string.match(ARGV[1], '^(%d+) (%-?%d+) (.*)$')
-local row = redis.call('HMGET', KEYS[1], 't', 's', 'c')
+# KEYS[1]; ARGV "status ttl_us token" (one argument, as a claim's; the token is the
+# rest), headers, body. Retention runs from the server's time, as the key's TTL does.
+_COMPLETE = (
+    _NOW
+    + """
+local rs, ttl_us, t = string.match(ARGV[1], '^(%d+) (%d+) (.*)$')
+local row = redis.call('HMGET', KEYS[1], 't', 's')
 if row[1] ~= t then return 0 end
 if row[2] == 'completed' then
-  local done = redis.call('HMGET', KEYS[1], 'rs', 'rh', 'rb', 'e')
-  if done[1] == rs and done[2] == ARGV[2] and done[3] == ARGV[3] and done[4] == e then
+  local done = redis.call('HMGET', KEYS[1], 'rs', 'rh', 'rb')
+  if done[1] == rs and done[2] == ARGV[2] and done[3] == ARGV[3] then
     return 1
   end
   return 0
 end
 if row[2] ~= 'in_progress' then return 0 end
+local e = string.format('%d', now + tonumber(ttl_us))
 redis.call('HSET', KEYS[1], 's', 'completed', 'rs', rs, 'rh', ARGV[2], 'rb', ARGV[3], 'e', e)
-local ttl = math.ceil((tonumber(e) - tonumber(row[3])) / 1000)
+local ttl = math.ceil(tonumber(ttl_us) / 1000)
 if ttl < 1 then ttl = 1 end
 redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
 return 1
 """
+)
 
 # KEYS[1]; ARGV token.
 _RELEASE = """
@@ -268,35 +295,45 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
-# KEYS[1]; ARGV token, locked_until. Retention never ends before the lease
-# (Store.renew): past expires_at, the field moves to locked_until and the key's TTL
-# to at least locked_until - created_at (in the caller's clock, as for a completion,
-# so it can only be longer than needed), or Redis would delete a live claim.
-_RENEW = """
-local row = redis.call('HMGET', KEYS[1], 't', 's', 'c', 'e')
+# KEYS[1]; ARGV token, lease_us. The lease runs from the server's time. Retention
+# never ends before the lease (Store.renew): past expires_at, the field moves to
+# locked_until and the key's TTL to at least the lease, or Redis would delete a live
+# claim.
+_RENEW = (
+    _NOW
+    + """
+local row = redis.call('HMGET', KEYS[1], 't', 's', 'e')
 if row[1] ~= ARGV[1] or row[2] ~= 'in_progress' then return 0 end
-if tonumber(ARGV[2]) > tonumber(row[4]) then
-  redis.call('HSET', KEYS[1], 'l', ARGV[2], 'e', ARGV[2])
-  local ttl = math.ceil((tonumber(ARGV[2]) - tonumber(row[3])) / 1000)
+local deadline = now + tonumber(ARGV[2])
+local l = string.format('%d', deadline)
+if deadline > tonumber(row[3]) then
+  redis.call('HSET', KEYS[1], 'l', l, 'e', l)
+  local ttl = math.ceil(tonumber(ARGV[2]) / 1000)
   if ttl > redis.call('PTTL', KEYS[1]) then
     redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
   end
 else
-  redis.call('HSET', KEYS[1], 'l', ARGV[2])
+  redis.call('HSET', KEYS[1], 'l', l)
 end
 return 1
 """
+)
 
-# KEYS[1]; ARGV now. Deletes the row only if its expires_at has passed (a racing
-# claim may have replaced it since it was scanned).
-_PRUNE = """
+# KEYS[1]; ARGV the cut-off, or "" for the server's time. Deletes the row only if its
+# expires_at has passed (a racing claim may have replaced it since it was scanned).
+_PRUNE = (
+    _NOW
+    + """
+local at = now
+if ARGV[1] ~= '' then at = tonumber(ARGV[1]) end
 local e = redis.call('HGET', KEYS[1], 'e')
-if e and tonumber(e) <= tonumber(ARGV[1]) then
+if e and tonumber(e) <= at then
   redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
 """
+)
 
 _SCAN_COUNT = 1000
 # Requests per pipeline, at most, by default (as SQLStore's MAX_BATCH).
@@ -470,7 +507,7 @@ class RedisStore:
         # No transactions (a handler's writes cannot join a Lua script); stats and
         # prune by SCAN over every primary.
         self.capabilities = Capabilities(
-            transactions=False, batching=self.batching, prune=False, audit=True
+            transactions=False, batching=self.batching, prune=False, audit=True, own_clock=True
         )
         self._prefix = f"{key_prefix}:{{"
         # The audit's sorted sets (_audit_key): outside the records' SCAN pattern.
@@ -784,14 +821,11 @@ class RedisStore:
     # The hot path: one script call each.
 
     def _claim_args(self, new: NewClaim) -> list[Any]:
-        created, expires = _us(new.now), _us(new.expires_at)
-        # The key's TTL in whole milliseconds, rounded up, at least 1 (0 would delete it).
-        ttl = max(1, -(-(expires - created) // 1000))
         h = new.request_hash
         # len(h) in characters is its length in bytes only for ASCII (our hashes are hex
         # digests); anything else is measured as the bytes Lua will count.
         n = len(h) if h.isascii() else len(h.encode())
-        claim = f"{created} {_us(new.locked_until)} {expires} {ttl} {n} {h}{new.token}"
+        claim = f"{new.lease // _US} {new.ttl // _US} {n} {h}{new.token}"
         if new.scope_digest is None:
             return [claim]
         # The audit's index entry rides in the same script (_AUDIT): no round trip.
@@ -823,18 +857,18 @@ class RedisStore:
             raise
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         headers = encode_headers(response.headers)
-        args = [f"{response.status} {_us(expires_at)} {token}", headers, response.body]
+        args = [f"{response.status} {ttl // _US} {token}", headers, response.body]
         size = len(headers) + len(response.body)
         return bool(await self._run(self._complete, key, args, size))
 
     async def release(self, key: str, token: str) -> bool:
         return bool(await self._run(self._release, key, [token]))
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
-        return bool(await self._run(self._renew, key, [token, _us(locked_until)]))
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
+        return bool(await self._run(self._renew, key, [token, lease // _US]))
 
     # Timed-out claims.
 
@@ -853,7 +887,7 @@ class RedisStore:
         """
         if not isinstance(exc.__cause__, TimeoutError | rexc.TimeoutError):
             return
-        lease = (new.locked_until - new.now).total_seconds()
+        lease = new.lease.total_seconds()
         if lease <= 0 or len(self._orphans) >= _ORPHANS_MAX:
             return
         loop = asyncio.get_running_loop()
@@ -948,8 +982,17 @@ class RedisStore:
             if row[0] is not None
         ]
 
-    async def buckets(self, *, now: datetime) -> list[Bucket]:
-        at = _us(now)
+    async def _server_us(self, now: datetime | None) -> int:
+        """``now`` in microseconds, or the server's time (one server's, on a cluster)."""
+        if now is not None:
+            return _us(now)
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
+        seconds, micros = await _call(self.client.time(), self._timeout)
+        return int(seconds) * 1_000_000 + int(micros)
+
+    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
+        at = await self._server_us(now)
         groups: dict[tuple[str, bool, bool], tuple[int, int | None]] = {}
         async for batch in self._batches(f"{self._match}*"):
             for status, created, locked, expires in await self._fields(batch, "s", "c", "l", "e"):
@@ -970,8 +1013,8 @@ class RedisStore:
             for (status, expired, lease_over), (count, oldest) in groups.items()
         ]
 
-    async def count_expired(self, *, now: datetime) -> int:
-        at, total = _us(now), 0
+    async def count_expired(self, *, now: datetime | None = None) -> int:
+        at, total = await self._server_us(now), 0
         async for batch in self._batches(f"{self._match}*"):
             rows = await self._fields(batch, "e")
             total += sum(1 for (e,) in rows if e is not None and int(e) <= at)
@@ -1006,14 +1049,15 @@ class RedisStore:
                     sightings.append(Sighting(scope, path, h, key, _time(created)))
         return group_sightings(sightings, window)
 
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         """Delete up to ``batch_size`` records whose ``expires_at <= now`` that remain.
 
         Redis deletes every record itself when its TTL runs out, so production needs
-        no prune job; this removes records that the caller's clock (a test's, or one
-        ahead of the server's) considers expired before their TTL is up.
+        no prune job; this removes records whose ``expires_at`` has passed before their
+        TTL (``now`` ``None``: at each server's own time, checked in the script).
         """
-        at, deleted = _us(now), 0
+        at, deleted = await self._server_us(now), 0
+        cutoff = "" if now is None else at
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         # Pipelined EVALSHA does not reload a missing script: load it first (every
@@ -1027,7 +1071,7 @@ class RedisStore:
             if due:
                 pipe: Any = self.client.pipeline(transaction=False)
                 for name in due:
-                    pipe.execute_command("EVALSHA", script.sha, 1, name, at)
+                    pipe.execute_command("EVALSHA", script.sha, 1, name, cutoff)
                 deleted += sum(await _call(pipe.execute(), self._timeout))
             if deleted >= batch_size:
                 break
@@ -1097,7 +1141,7 @@ _STATUS_OF_BYTES = {status.value.encode(): status for status in RecordStatus}
 def _claimed(key: str, packed: bytes) -> Record:
     """The row in an insert's way, from ``_INSERT``'s one packed string."""
     line = packed.index(b"\n")
-    s, c, lu, e, rs, nh, nt, nrh = packed[:line].split(b" ")
+    s, c, lu, e, rs, nh, nt, nrh, read_at = packed[:line].split(b" ")
     h_end = line + 1 + int(nh)
     t_end = h_end + int(nt)
     response = None
@@ -1106,7 +1150,9 @@ def _claimed(key: str, packed: bytes) -> Record:
         headers = decode_headers(packed[t_end:rh_end])
         response = StoredResponse(int(rs), headers, packed[rh_end:])
     h, t = packed[line + 1 : h_end].decode(), packed[h_end:t_end].decode()
-    return Record(key, h, _STATUS_OF_BYTES[s], t, _time(c), _time(lu), _time(e), response)
+    return Record(
+        key, h, _STATUS_OF_BYTES[s], t, _time(c), _time(lu), _time(e), response, _time(read_at)
+    )
 
 
 def _make_client(url: str, command_timeout: float) -> _Client:

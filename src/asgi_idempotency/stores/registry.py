@@ -91,7 +91,7 @@ class StoreKind:
 KINDS: list[StoreKind] = [
     StoreKind(
         "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(transactions=True, migrations=True, audit=True),
+        Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
         drivers=True,
         normalize=async_url,
         cli_options={"pool_size": 1},
@@ -103,12 +103,13 @@ KINDS: list[StoreKind] = [
     ),
     StoreKind(
         "MariaDB", ("mariadb",), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(transactions=True, migrations=True, audit=True), extra="mysql",
+        Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
+        extra="mysql",
         drivers=True, normalize=async_url, cli_options={"pool_size": 1},
     ),
     StoreKind(
         "MySQL", ("mysql",), "asgi_idempotency.stores.sql:SQLStore",
-        Capabilities(migrations=True, audit=True), extra="mysql", drivers=True,
+        Capabilities(migrations=True, audit=True, own_clock=True), extra="mysql", drivers=True,
         normalize=async_url, cli_options={"pool_size": 1},
         lacks={
             "transactions": "MySQL has neither SET STATEMENT nor RETURNING: use a "
@@ -118,7 +119,7 @@ KINDS: list[StoreKind] = [
     StoreKind(
         "Redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"),
         "asgi_idempotency.stores.redis:RedisStore",
-        Capabilities(prune=False, audit=True),
+        Capabilities(prune=False, audit=True, own_clock=True),
         extra="redis",
         lacks={
             "prune": "Redis expires each record itself when its retention ends (the key's "

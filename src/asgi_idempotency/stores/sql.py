@@ -48,18 +48,21 @@ from .base import (
     Record,
     StoredResponse,
     StoreTransaction,
+    utcnow,
 )
 from .codec import as_time, encode_headers, to_record
 from .dialect import MAX_BATCH, HotPath, HotPathOptions, Op, SQLDialect, dialect_named
 from .duplicates import Sighting, SuspectedDuplicate, group_sightings
 from .loops import LoopTenure
 from .queries import buckets_query, count_expired_query, find_query, get_query, sightings_query
+from .statements import CALLER_CLOCK
 
 __all__ = ["SQLStore"]
 
 # A row committed by a racing claim after the claim statement's snapshot began reads
 # as neither inserted nor in the way; asking again sees it. Past a few tries, give up.
 _INSERT_ATTEMPTS = 5
+_US = timedelta(microseconds=1)
 
 
 class SQLStore:
@@ -133,6 +136,7 @@ class SQLStore:
             batching=self.batching,
             migrations=True,
             audit=True,
+            own_clock=spec.clock is not None,
         )
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._command_timeout = command_timeout
@@ -145,6 +149,10 @@ class SQLStore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tenure: LoopTenure | None = None
         self._time = spec.time
+        # Postgres and MariaDB/MySQL decide with their own clock, given durations; SQLite
+        # with the caller's, given times (Store).
+        self._clock = spec.clock
+        self._read_at = (spec.clock or CALLER_CLOCK).read_at
         # Transactions' connections close even when their request is cancelled.
         self._closing: set[asyncio.Task[Any]] = set()
         self._prepared = False  # prepare() passed once: later calls cost nothing
@@ -252,13 +260,22 @@ class SQLStore:
     # The hot path: one prepared statement on the driver connection each.
 
     def _claim_values(self, new: NewClaim) -> dict[str, Any]:
-        when = self._time
+        if self._clock is not None:
+            return {
+                "request_hash": new.request_hash,
+                "token": new.token,
+                "lease_us": new.lease // _US,
+                "ttl_us": new.ttl // _US,
+                "scope_digest": new.scope_digest,
+                "route": new.route,
+            }
+        when, now = self._time, new.now
         return {
             "request_hash": new.request_hash,
             "token": new.token,
-            "now": when(new.now),
-            "locked_until": when(new.locked_until),
-            "expires_at": when(new.expires_at),
+            "now": when(now),
+            "locked_until": when(now + new.lease),
+            "expires_at": when(now + new.ttl),
             "scope_digest": new.scope_digest,
             "route": new.route,
         }
@@ -289,18 +306,21 @@ class SQLStore:
         return await self._driver.rowcount(Op.REPLACE, values) == 1
 
     async def complete(
-        self, key: str, token: str, response: StoredResponse, *, expires_at: datetime
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         values = {
             "where_key": key,
             "where_token": token,
-            "expires_at": self._time(expires_at),
             "response_status": response.status,
             "response_headers": encode_headers(response.headers),
             "response_body": response.body,
         }
+        if self._clock is not None:
+            values["ttl_us"] = ttl // _US
+        else:
+            values["expires_at"] = self._time(now + ttl)
         return await self._driver.rowcount(Op.COMPLETE, values) == 1
 
     async def release(self, key: str, token: str) -> bool:
@@ -309,10 +329,14 @@ class SQLStore:
         values = {"where_key": key, "where_token": token}
         return await self._driver.rowcount(Op.RELEASE, values) == 1
 
-    async def renew(self, key: str, token: str, *, locked_until: datetime) -> bool:
+    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
-        values = {"where_key": key, "where_token": token, "locked_until": self._time(locked_until)}
+        values: dict[str, Any] = {"where_key": key, "where_token": token}
+        if self._clock is not None:
+            values["lease_us"] = lease // _US
+        else:
+            values["locked_until"] = self._time(now + lease)
         return await self._driver.rowcount(Op.RENEW, values) == 1
 
     # Transactional mode (where the backend has it: Postgres).
@@ -346,15 +370,22 @@ class SQLStore:
                 return (await conn.execute(query)).all()
 
     async def get(self, key: str) -> Record | None:
-        rows = await self._all(get_query(key))
+        rows = await self._all(get_query(key, self._read_at))
         return to_record(key, tuple(rows[0])) if rows else None
 
     async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
-        rows = await self._all(find_query(prefix, limit))
+        rows = await self._all(find_query(prefix, limit, self._read_at))
         return [to_record(row[0], tuple(row)[1:]) for row in rows]
 
-    async def buckets(self, *, now: datetime) -> list[Bucket]:
-        rows = await self._all(buckets_query(now))
+    def _now(self, now: datetime | None) -> Any:
+        """The cut-off of an admin query: ``now`` if given, else the database's clock
+        (the local one on SQLite)."""
+        if now is not None:
+            return now
+        return utcnow() if self._clock is None else self._clock.now
+
+    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
+        rows = await self._all(buckets_query(self._now(now)))
         return [
             Bucket(
                 STATUS_OF[status],
@@ -366,8 +397,8 @@ class SQLStore:
             for status, expired, lease_over, count, oldest in rows
         ]
 
-    async def count_expired(self, *, now: datetime) -> int:
-        rows = await self._all(count_expired_query(now))
+    async def count_expired(self, *, now: datetime | None = None) -> int:
+        rows = await self._all(count_expired_query(self._now(now)))
         return int(rows[0][0])
 
     async def suspected_duplicates(
@@ -380,12 +411,12 @@ class SQLStore:
             window,
         )  # fmt: skip
 
-    async def prune(self, *, now: datetime, batch_size: int = 1000) -> int:
+    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
         if asyncio.get_running_loop() is not self._loop:
             self._enter()
         with self._spec.errors:
             async with self._autocommit.connect() as conn:
-                return await self._spec.prune(conn, now=now, batch_size=batch_size)
+                return await self._spec.prune(conn, now=self._now(now), batch_size=batch_size)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()

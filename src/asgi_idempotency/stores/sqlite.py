@@ -484,6 +484,7 @@ DIALECT = SQLDialect(
     driver="aiosqlite",
     errors=SQLITE_ERRORS,
     time=sqlite_time,
+    clock=None,  # one host: the caller's clock
     hot_path=_hot_path,
     engine_options=_engine_options,
     configure_engine=_configure_engine,

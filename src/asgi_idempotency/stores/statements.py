@@ -7,15 +7,25 @@ the row in its way from the same statement, through a data-modifying CTE; SQLite
 inserts and, on conflict, selects; MariaDB/MySQL ``INSERT IGNORE`` and, when no row
 was affected, select) and the transactional claim (Postgres only: an advisory lock
 folded into the insert).
+
+Leases and retention are decided on the store's clock where the store is shared
+(:class:`~.base.Store`): on Postgres ``statement_timestamp()`` (one instant for every
+row of a statement, batched or not, and each statement's own inside a transaction,
+where ``now()`` would be the transaction's start), on MariaDB/MySQL
+``UTC_TIMESTAMP(6)`` (naive UTC, as the columns hold; constant within a statement), so
+the statements take the lease and the ttl as microseconds (``lease_us``, ``ttl_us``)
+and return the store's time with the row they read (``read_at``). SQLite, on one host,
+binds the times the caller's clock gives (``now``, ``locked_until``, ``expires_at``).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
+    BigInteger,
     ClauseElement,
     Dialect,
     Select,
@@ -46,22 +56,29 @@ from .base import RecordStatus
 from .schema import MYSQL_DIALECTS, UTCDateTime, records
 
 __all__ = [
+    "CALLER_CLOCK",
     "CLAIM_LOCKED",
     "COMPLETE",
     "MARIADB_TX_CLAIM",
+    "MARIADB_TX_COMPLETE",
+    "MARIADB_TX_REPLACE",
     "MYSQL",
+    "MYSQL_CLOCK",
     "PG",
+    "PG_CLOCK",
     "PG_BATCHED",
     "PG_LONE",
     "RECORD_COLUMNS",
     "REPLACE",
     "SQLITE",
+    "Clock",
     "Compiled",
 ]
 
 _t = records
 _TIME = UTCDateTime()
 _TEXT = String()
+_MICROSECONDS = BigInteger()
 
 _IN_PROGRESS: ColumnClause[Any] = literal_column(f"'{RecordStatus.IN_PROGRESS.value}'")
 _COMPLETED: ColumnClause[Any] = literal_column(f"'{RecordStatus.COMPLETED.value}'")
@@ -79,18 +96,62 @@ RECORD_COLUMNS = (
     _t.c.response_body,
 )
 
-# What a claim writes, whether it inserts the row or replaces one.
-_CLAIMED_ROW: dict[str, Any] = {
-    "request_hash": bindparam("request_hash"),
-    "status": _IN_PROGRESS,
-    "token": bindparam("token"),
-    "created_at": bindparam("now", type_=_TIME),
-    "locked_until": bindparam("locked_until", type_=_TIME),
-    "expires_at": bindparam("expires_at", type_=_TIME),
-    # The audit's scope digest and route (NULL for claims that are not HTTP requests).
-    "scope_digest": bindparam("scope_digest", type_=_TEXT),
-    "route": bindparam("route", type_=_TEXT),
-}
+
+class Clock(NamedTuple):
+    """Whose time a dialect's statements decide with, and how they write a deadline."""
+
+    now: Any  # the time, as an expression
+    lease: Any  # now + the lease
+    ttl: Any  # now + the retention
+    read_at: Any  # the store's time, returned with a row read; NULL on the caller's clock
+
+
+def _store_clock(now: Any, after: Callable[[str], Any]) -> Clock:
+    return Clock(now, after("lease_us"), after("ttl_us"), now.label("read_at"))
+
+
+def _pg_after(now: Any) -> Callable[[Any], Any]:
+    return lambda us: now + us * literal_column("interval '1 microsecond'")
+
+
+_PG_NOW = func.statement_timestamp(type_=_TIME)
+PG_CLOCK = _store_clock(
+    _PG_NOW, lambda name: _pg_after(_PG_NOW)(bindparam(name, type_=_MICROSECONDS))
+)
+_MYSQL_NOW: Any = literal_column("UTC_TIMESTAMP(6)", type_=_TIME)
+MYSQL_CLOCK = _store_clock(
+    _MYSQL_NOW,
+    lambda name: func.timestampadd(
+        literal_column("MICROSECOND"),
+        bindparam(name, type_=_MICROSECONDS),
+        _MYSQL_NOW,
+        type_=_TIME,
+    ),
+)
+# SQLite: one host, the caller's clock, bound as times.
+CALLER_CLOCK = Clock(
+    bindparam("now", type_=_TIME),
+    bindparam("locked_until", type_=_TIME),
+    bindparam("expires_at", type_=_TIME),
+    null().label("read_at"),
+)
+
+
+def _claimed_row(clock: Clock) -> dict[str, Any]:
+    """What a claim writes, whether it inserts the row or replaces one."""
+    return {
+        "request_hash": bindparam("request_hash"),
+        "status": _IN_PROGRESS,
+        "token": bindparam("token"),
+        "created_at": clock.now,
+        "locked_until": clock.lease,
+        "expires_at": clock.ttl,
+        # The audit's scope digest and route (NULL for claims that are not HTTP requests).
+        "scope_digest": bindparam("scope_digest", type_=_TEXT),
+        "route": bindparam("route", type_=_TEXT),
+    }
+
+
 _NO_RESPONSE = {"response_status": null(), "response_headers": null(), "response_body": null()}
 _KEY = _t.c.key == bindparam("key")
 # Core reserves bind names equal to a column's for an UPDATE's SET clause.
@@ -121,7 +182,8 @@ def _pg_claim(lock: bool, lock_wait: bool = False) -> Select[Any]:
     since reads as it was: a take-over of that row must compare-and-swap. With
     ``lock`` too, as the lock is taken after the snapshot.
     """
-    rows = select(bindparam("key"), *_CLAIMED_ROW.values())
+    claimed = _claimed_row(PG_CLOCK)
+    rows = select(bindparam("key"), *claimed.values())
     if lock_wait:
         rows = rows.where(_lock_wait())
     got: Any = true()
@@ -137,7 +199,7 @@ def _pg_claim(lock: bool, lock_wait: bool = False) -> Select[Any]:
         got = select(lock_cte.c.got).scalar_subquery()
     ins = (
         pg_insert(_t)
-        .from_select(["key", *_CLAIMED_ROW], rows)
+        .from_select(["key", *claimed], rows)
         .on_conflict_do_nothing(index_elements=[_t.c.key])
         .returning(_t.c.key)
         .cte("ins")
@@ -145,63 +207,81 @@ def _pg_claim(lock: bool, lock_wait: bool = False) -> Select[Any]:
     inserted = exists(select(ins.c.key))
     one = select(literal_column("1").label("one")).subquery("one")
     return (
-        select(got.label("locked"), inserted.label("inserted"), *RECORD_COLUMNS)
+        select(got.label("locked"), inserted.label("inserted"), *RECORD_COLUMNS, PG_CLOCK.read_at)
         .select_from(one)
         .outerjoin(_t, _KEY & ~inserted & got)
     )
 
 
-_SQLITE_INSERT: ClauseElement = (
-    sqlite_insert(_t)
-    .values(key=bindparam("key"), **_CLAIMED_ROW)
-    .on_conflict_do_nothing(index_elements=[_t.c.key])
-    .returning(literal_column("1"))
-)
+def _sqlite_insert() -> ClauseElement:
+    return (
+        sqlite_insert(_t)
+        .values(key=bindparam("key"), **_claimed_row(CALLER_CLOCK))
+        .on_conflict_do_nothing(index_elements=[_t.c.key])
+        .returning(literal_column("1"))
+    )
+
+
 # Not ON DUPLICATE KEY UPDATE key=key: SQLAlchemy connects with CLIENT_FOUND_ROWS
 # (rowcounts count matched rows, which the fenced updates rely on), and under it that
 # no-op update reports 1 row, as an insert does. INSERT IGNORE reports 0 on a duplicate.
 # IGNORE would also truncate an overlong value where strict mode refuses it: the
 # driver checks lengths first (mysql.py).
-_MYSQL_INSERT: ClauseElement = (
-    insert(_t).prefix_with("IGNORE").values(key=bindparam("key"), **_CLAIMED_ROW)
-)
-_SELECT = select(*RECORD_COLUMNS).where(_KEY)
+def _mysql_insert() -> ClauseElement:
+    claimed = _claimed_row(MYSQL_CLOCK)
+    return insert(_t).prefix_with("IGNORE").values(key=bindparam("key"), **claimed)
+
+
+def _select(clock: Clock) -> Select[Any]:
+    return select(*RECORD_COLUMNS, clock.read_at).where(_KEY)
+
+
 _OWNED = _WHERE_KEY & (_t.c.token == bindparam("where_token")) & (_t.c.status == _IN_PROGRESS)
-_COMPLETE = (
-    update(_t)
-    .where(_OWNED)
-    .values(
-        status=_COMPLETED,
-        expires_at=bindparam("expires_at", type_=_TIME),
-        response_status=bindparam("response_status"),
-        response_headers=bindparam("response_headers"),
-        response_body=bindparam("response_body"),
+
+
+def _complete(clock: Clock) -> Any:
+    return (
+        update(_t)
+        .where(_OWNED)
+        .values(
+            status=_COMPLETED,
+            expires_at=clock.ttl,
+            response_status=bindparam("response_status"),
+            response_headers=bindparam("response_headers"),
+            response_body=bindparam("response_body"),
+        )
     )
-)
+
+
 _RELEASE = delete(_t).where(_OWNED)
-_LOCKED_UNTIL = bindparam("locked_until", type_=_TIME)
+
+
 # A renewal moves retention to at least the new lease (Store.renew): a live claim is
 # never expired, so prune's and the claim's plain `expires_at <= now` stay right.
-_RENEW = (
-    update(_t)
-    .where(_OWNED)
-    .values(
-        locked_until=_LOCKED_UNTIL,
-        expires_at=case((_t.c.expires_at < _LOCKED_UNTIL, _LOCKED_UNTIL), else_=_t.c.expires_at),
+def _renew(clock: Clock) -> Any:
+    return (
+        update(_t)
+        .where(_OWNED)
+        .values(
+            locked_until=clock.lease,
+            expires_at=case((_t.c.expires_at < clock.lease, clock.lease), else_=_t.c.expires_at),
+        )
     )
-)
+
+
 # Compare-and-swap on the row exactly as it was read: a renewal, a completion or
 # another take-over in between changes one of these, and the swap fails.
-_REPLACE = (
-    update(_t)
-    .where(
-        _WHERE_KEY,
-        _t.c.token == bindparam("old_token"),
-        _t.c.status == bindparam("old_status"),
-        _t.c.locked_until == bindparam("old_locked_until", type_=_TIME),
+def _replace(clock: Clock) -> Any:
+    return (
+        update(_t)
+        .where(
+            _WHERE_KEY,
+            _t.c.token == bindparam("old_token"),
+            _t.c.status == bindparam("old_status"),
+            _t.c.locked_until == bindparam("old_locked_until", type_=_TIME),
+        )
+        .values(**_claimed_row(clock), **_NO_RESPONSE)
     )
-    .values(**_CLAIMED_ROW, **_NO_RESPONSE)
-)
 
 
 class Compiled:
@@ -222,26 +302,29 @@ class Compiled:
 
 
 def _compile_all(dialect: Dialect) -> dict[str, Compiled]:
-    stmts: dict[str, ClauseElement] = {
-        "select": _SELECT,
-        "complete": _COMPLETE,
-        "release": _RELEASE,
-        "renew": _RENEW,
-        "replace": _REPLACE,
-    }
+    clock: Clock
+    claim: ClauseElement
     if dialect.name == "postgresql":
-        stmts["claim"] = _pg_claim(lock=False)
+        clock, claim = PG_CLOCK, _pg_claim(lock=False)
     elif dialect.name in MYSQL_DIALECTS:
-        stmts["claim"] = _MYSQL_INSERT
+        clock, claim = MYSQL_CLOCK, _mysql_insert()
     else:
-        stmts["claim"] = _SQLITE_INSERT
+        clock, claim = CALLER_CLOCK, _sqlite_insert()
+    stmts: dict[str, ClauseElement] = {
+        "claim": claim,
+        "select": _select(clock),
+        "complete": _complete(clock),
+        "release": _RELEASE,
+        "renew": _renew(clock),
+        "replace": _replace(clock),
+    }
     return {name: Compiled(stmt, dialect) for name, stmt in stmts.items()}
 
 
 # Transactional mode runs these through Core, on the request's own connection.
 CLAIM_LOCKED = _pg_claim(lock=True)
-REPLACE = _REPLACE  # a compare-and-swap even under the key's lock: postgres.py says why
-COMPLETE = _COMPLETE
+REPLACE = _replace(PG_CLOCK)  # a compare-and-swap even under the key's lock: postgres.py says why
+COMPLETE = _complete(PG_CLOCK)
 
 PG = _compile_all(_asyncpg_dialect())  # type: ignore[no-untyped-call]  # untyped in SQLAlchemy
 SQLITE = _compile_all(_aiosqlite_dialect())
@@ -284,13 +367,13 @@ def _pg_claim_many() -> Select[Any]:
         ("key", _TEXT),
         ("request_hash", _TEXT),
         ("token", _TEXT),
-        ("created_at", _TIME),
-        ("locked_until", _TIME),
-        ("expires_at", _TIME),
+        ("lease_us", _MICROSECONDS),
+        ("ttl_us", _MICROSECONDS),
         ("scope_digest", _TEXT),
         ("route", _TEXT),
     )
     v = select(rows).where(_lock_wait()).cte("v")
+    after = _pg_after(_PG_NOW)
     ins = (
         pg_insert(_t)
         .from_select(
@@ -306,7 +389,7 @@ def _pg_claim_many() -> Select[Any]:
                 "route",
             ],
             select(v.c.key, v.c.request_hash, _IN_PROGRESS, v.c.token)
-            .add_columns(v.c.created_at, v.c.locked_until, v.c.expires_at)
+            .add_columns(_PG_NOW, after(v.c.lease_us), after(v.c.ttl_us))
             .add_columns(v.c.scope_digest, v.c.route)
             .order_by(v.c.key),
         )
@@ -314,7 +397,9 @@ def _pg_claim_many() -> Select[Any]:
         .returning(_t.c.key)
         .cte("ins")
     )
-    return select(v.c.key, ins.c.key.is_not(None).label("inserted"), *RECORD_COLUMNS).select_from(
+    return select(
+        v.c.key, ins.c.key.is_not(None).label("inserted"), *RECORD_COLUMNS, PG_CLOCK.read_at
+    ).select_from(
         v.outerjoin(ins, ins.c.key == v.c.key).outerjoin(
             _t, (_t.c.key == v.c.key) & ins.c.key.is_(None)
         )
@@ -367,13 +452,13 @@ _COMPLETE_MANY = _fenced_statement(
     "update",
     _fenced_many(
         "u",
-        ("expires_at", _TIME),
+        ("ttl_us", _MICROSECONDS),
         ("response_status", _t.c.response_status.type),
         ("response_headers", _t.c.response_headers.type),
         ("response_body", _t.c.response_body.type),
     ),
     status=lambda u: _COMPLETED,
-    expires_at=lambda u: u.c.expires_at,
+    expires_at=lambda u: _pg_after(_PG_NOW)(u.c.ttl_us),
     response_status=lambda u: u.c.response_status,
     response_headers=lambda u: u.c.response_headers,
     response_body=lambda u: u.c.response_body,
@@ -381,9 +466,9 @@ _COMPLETE_MANY = _fenced_statement(
 _RELEASE_MANY = _fenced_statement("delete", _fenced_many("u"))
 _RENEW_MANY = _fenced_statement(
     "update",
-    _fenced_many("u", ("locked_until", _TIME)),
-    locked_until=lambda u: u.c.locked_until,
-    expires_at=lambda u: func.greatest(_t.c.expires_at, u.c.locked_until),  # as _RENEW
+    _fenced_many("u", ("lease_us", _MICROSECONDS)),
+    locked_until=lambda u: _pg_after(_PG_NOW)(u.c.lease_us),
+    expires_at=lambda u: func.greatest(_t.c.expires_at, _pg_after(_PG_NOW)(u.c.lease_us)),
 )
 
 
@@ -417,9 +502,9 @@ PG_LONE = {
     name: Compiled(stmt, _asyncpg_dialect())  # type: ignore[no-untyped-call]  # as PG above
     for name, stmt in {
         "claim": _pg_claim(lock=False, lock_wait=True),
-        "complete": _COMPLETE.where(_lock_wait()),
+        "complete": _complete(PG_CLOCK).where(_lock_wait()),
         "release": _RELEASE.where(_lock_wait()),
-        "renew": _RENEW.where(_lock_wait()),
+        "renew": _renew(PG_CLOCK).where(_lock_wait()),
     }.items()
 }
 
@@ -431,10 +516,13 @@ PG_LONE = {
 # through the driver's cursor).
 MARIADB_TX_CLAIM: ClauseElement = (
     mysql_insert(_t)
-    .values(key=bindparam("key"), **_CLAIMED_ROW)
+    .values(key=bindparam("key"), **_claimed_row(MYSQL_CLOCK))
     .on_duplicate_key_update(key=_t.c.key)
-    .returning(*RECORD_COLUMNS)
+    .returning(*RECORD_COLUMNS, MYSQL_CLOCK.read_at)
 )
+# The transaction's compare-and-swap and completion, on the server's clock as the rest.
+MARIADB_TX_REPLACE: ClauseElement = _replace(MYSQL_CLOCK)
+MARIADB_TX_COMPLETE: ClauseElement = _complete(MYSQL_CLOCK)
 # MariaDB's hot path claims with it too (mariadb.py): one statement, one round trip, for
 # a replay, 409 or 422 as for a first request.
 MYSQL["claim_returning"] = Compiled(MARIADB_TX_CLAIM, _asyncmy_dialect(paramstyle="qmark"))

@@ -8,7 +8,8 @@ check fails.
 :class:`StoreContract` is the store contract as pytest tests (needs pytest): subclass
 it, override its ``store`` fixture, and pytest checks your store, or one of ours on your
 own database and settings, against the rules every store keeps
-(:mod:`asgi_idempotency.testing.store_contract`).
+(:mod:`asgi_idempotency.testing.store_contract`). :class:`StoreClock` is the clock its
+tests let leases run out on: the caller's, or real time on a store with its own clock.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 from .http_checks import CheckReport, CheckResult, Outcome, assert_conforms, check_app
 
 if TYPE_CHECKING:
-    from .store_contract import Claimant, StoreContract
+    from .store_contract import Claimant, StoreClock, StoreContract
 
 __all__ = [
     "CheckReport",
     "CheckResult",
     "Claimant",
     "Outcome",
+    "StoreClock",
     "StoreContract",
     "assert_conforms",
     "check_app",
@@ -35,7 +37,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Imported on first use, so that the HTTP checks need no pytest, and after asking
     # pytest to rewrite the contract's asserts (a failure then shows the values).
-    if name in ("Claimant", "StoreContract"):
+    if name in ("Claimant", "StoreClock", "StoreContract"):
         module = f"{__name__}.store_contract"
         if module not in sys.modules:  # imported directly: too late to rewrite
             import pytest
