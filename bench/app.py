@@ -56,7 +56,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 
 if TYPE_CHECKING:  # imported where used, as the other variants do not need it
     import asyncpg

@@ -80,10 +80,11 @@ async def store_level(
 ) -> dict[str, Any]:
     import asyncpg
 
-    from asgi_idempotency import SQLStore, lifecycle
+    from asgi_idempotency import SQLStore
+    from asgi_idempotency.core import lifecycle
     from asgi_idempotency.stores.base import StoredResponse
-    from asgi_idempotency.stores.postgres_batched import BatchingPostgresDriver
-    from asgi_idempotency.stores.statements import PG
+    from asgi_idempotency.stores.sql.postgres_batched import BatchingPostgresDriver
+    from asgi_idempotency.stores.sql.statements import PG
     from bench.app import floor_pool
 
     url = pg_url.replace("postgresql://", "postgresql+asyncpg://", 1)

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import UvicornProcess, uvicorn_process
+from asgi_idempotency.ops._serve import UvicornProcess, uvicorn_process
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # on the servers' sys.path, so that they import ``bench.app``

@@ -27,9 +27,9 @@ import asyncmy
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.lifecycle import claim
+from asgi_idempotency.core.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.stores.statements import MYSQL
+from asgi_idempotency.stores.sql.statements import MYSQL
 
 NOW = datetime.now(UTC)
 LEASE, TTL = timedelta(seconds=30), timedelta(days=1)

@@ -1,7 +1,7 @@
 """A lone request's latency on Redis, pipelined or not: ``python -m bench.redis_lone``.
 
 Requests one at a time (no concurrency), each a claim and its completion through
-:mod:`asgi_idempotency.lifecycle` on :class:`RedisStore`, ``batching=True`` against
+:mod:`asgi_idempotency.core.lifecycle` on :class:`RedisStore`, ``batching=True`` against
 ``batching=False``, in interleaved rounds on the same server (``BENCH_REDIS_URL``, or a
 throwaway ``redis-server``). Pipelining must cost a lone request nothing: it is sent at
 once, with no timer. Prints each variant's median (p50) per claim + complete and the
@@ -24,7 +24,8 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from asgi_idempotency import StoredResponse, lifecycle
+from asgi_idempotency import StoredResponse
+from asgi_idempotency.core import lifecycle
 from asgi_idempotency.stores.redis import RedisStore
 
 RESPONSE = StoredResponse(201, ((b"content-type", b"application/json"),), b'{"id":1}')

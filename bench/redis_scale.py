@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import uvicorn_process
+from asgi_idempotency.ops._serve import uvicorn_process
 from bench.harness import ROOT, ensure_wrk, log, run_wrk
 from bench.redis_server import redis_cluster, redis_server
 from bench.run import machine

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import UvicornProcess
+from asgi_idempotency.ops._serve import UvicornProcess
 from bench import peers
 from bench.harness import (
     RESULTS,
@@ -159,7 +159,7 @@ async def _mariadb_admin(url: str, *statements: str) -> None:
 
 def postgres_default() -> str:
     """The Postgres variant that is the library's default, read from the library."""
-    from asgi_idempotency.stores.postgres import DIALECT
+    from asgi_idempotency.stores.sql.postgres import DIALECT
 
     return "postgres_batched" if DIALECT.batching else "postgres_unbatched"
 

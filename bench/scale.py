@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import UvicornProcess
+from asgi_idempotency.ops._serve import UvicornProcess
 from bench import harness
 
 ROWS = 10_000_000

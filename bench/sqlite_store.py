@@ -34,7 +34,7 @@ CELLS = [("fresh", 32), ("fresh", 1), ("replay", 32)]
 
 async def _cell(path: str, workload: str, concurrency: int, n: int) -> float:
     from asgi_idempotency import SQLStore
-    from asgi_idempotency.lifecycle import claim
+    from asgi_idempotency.core.lifecycle import claim
     from asgi_idempotency.stores.base import StoredResponse
 
     now = datetime.now(UTC)

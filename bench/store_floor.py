@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.lifecycle import claim
+from asgi_idempotency.core.lifecycle import claim
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.stores.statements import PG
+from asgi_idempotency.stores.sql.statements import PG
 from bench.app import floor_pool
 
 NOW = datetime.now(UTC)

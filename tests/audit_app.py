@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Policy
-from asgi_idempotency.principals import from_headers
+from asgi_idempotency.http.principals import from_headers
 from asgi_idempotency.stores.base import Store
 
 APP = "tests.audit_app:app"
@@ -34,7 +34,7 @@ def _store(url: str) -> Store:
         from asgi_idempotency.stores.redis import RedisStore
 
         return RedisStore(url, command_timeout=5)
-    from asgi_idempotency.stores.sql import SQLStore
+    from asgi_idempotency.stores.sql.store import SQLStore
 
     return SQLStore(url, command_timeout=5)
 

@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.testing import StoreClock as StoreClock  # where tests import it from
 
@@ -175,7 +175,7 @@ def _prepare(url: str) -> None:
     """Create the schema; in a thread of its own, as callers may already run a loop."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from asgi_idempotency.demo import prepare
+    from asgi_idempotency.ops.demo import prepare
 
     with ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, prepare(url)).result()
@@ -422,7 +422,7 @@ async def backdate(store: Store, key: str, by: timedelta) -> None:
     """
     from asgi_idempotency.stores.codec import epoch_us
     from asgi_idempotency.stores.redis import RedisStore
-    from asgi_idempotency.stores.schema import records
+    from asgi_idempotency.stores.sql.schema import records
 
     record = await store.get(key)
     assert record is not None

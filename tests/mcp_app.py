@@ -15,8 +15,8 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 
 from asgi_idempotency import Once, SQLStore
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.integrations.mcp import ToolGuard
-from asgi_idempotency.principals import ANONYMOUS
 
 store = SQLStore(os.environ["IDEMPOTENCY_DATABASE_URL"])
 once = Once(store, lease=timedelta(seconds=5), retry_after=0.2)

@@ -1,7 +1,7 @@
 """Real uvicorn processes for the multi-process tests, on the demo's launcher.
 
 Each server gets its own log file in ``log_dir`` and ``workers`` worker processes,
-all accepting on one socket bound before uvicorn starts (``asgi_idempotency._serve``).
+all accepting on one socket bound before uvicorn starts (``asgi_idempotency.ops._serve``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from asgi_idempotency._serve import UvicornProcess, uvicorn_process
+from asgi_idempotency.ops._serve import UvicornProcess, uvicorn_process
 
 __all__ = ["UvicornProcess", "run_uvicorn"]
 

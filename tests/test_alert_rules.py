@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from asgi_idempotency import ops
-from asgi_idempotency.metrics import Outcome
-from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.observability.metrics import Outcome
+from asgi_idempotency.observability.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.duplicates import SuspectedDuplicate
 from tests.docs_text import docs_text
 

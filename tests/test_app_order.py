@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from asgi_idempotency.capture import storable_headers
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.capture import storable_headers
+from asgi_idempotency.http.principals import ANONYMOUS
 from tests.lifespan import refuses, served
 
 pytestmark = pytest.mark.anyio

@@ -23,12 +23,12 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from asgi_idempotency import cli
-from asgi_idempotency.cli import ENV_URL, Exit, main, normalize_url
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.lifecycle import claim
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.core.lifecycle import claim
+from asgi_idempotency.ops import cli
+from asgi_idempotency.ops.cli import ENV_URL, Exit, main, normalize_url
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.stores.sql import SQLStore
+from asgi_idempotency.stores.sql.store import SQLStore
 from tests.conftest import backdate
 
 FINGERPRINT = "ab" * 32
@@ -272,7 +272,7 @@ def test_prune_shows_progress_on_a_terminal(db: str) -> None:
     primary, secondary = pty.openpty()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "asgi_idempotency.cli", "prune", "--batch-size", "2"],
+            [sys.executable, "-m", "asgi_idempotency.ops.cli", "prune", "--batch-size", "2"],
             env={**os.environ, ENV_URL: db},
             stdout=subprocess.PIPE,
             stderr=secondary,
@@ -427,7 +427,7 @@ def test_help_lists_every_exit_code_as_the_module_docstring_does(
 def test_demo_without_the_demo_extra_says_what_to_install() -> None:
     blocked = (
         "import sys; sys.modules['uvicorn'] = None; "
-        "from asgi_idempotency.cli import main; sys.exit(main(['demo']))"
+        "from asgi_idempotency.ops.cli import main; sys.exit(main(['demo']))"
     )
     done = subprocess.run(
         [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60, check=False
@@ -457,7 +457,7 @@ def test_database_url_from_the_environment_and_option_after_the_command(
 def test_demo_returns_the_demos_code(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import asgi_idempotency.demo as demo
+    import asgi_idempotency.ops.demo as demo
 
     for code in (0, 1):
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from asgi_idempotency import SQLStore, lifecycle
-from asgi_idempotency.audit import parse_duration
-from asgi_idempotency.cli import Exit, main
+from asgi_idempotency import SQLStore
+from asgi_idempotency.core import lifecycle
 from asgi_idempotency.migrations import upgrade
+from asgi_idempotency.ops.audit import parse_duration
+from asgi_idempotency.ops.cli import Exit, main
 from tests.conftest import PgServer
 
 ROUTE = "/refunds/{account}"
@@ -109,8 +110,8 @@ async def test_the_exporter_sets_the_gauge_per_route_and_resets_it() -> None:
     from prometheus_client import CollectorRegistry
 
     from asgi_idempotency import MemoryStore
-    from asgi_idempotency.audit import AuditExporter
-    from asgi_idempotency.prometheus import PrometheusMetrics
+    from asgi_idempotency.observability.prometheus import PrometheusMetrics
+    from asgi_idempotency.ops.audit import AuditExporter
 
     store, registry = MemoryStore(), CollectorRegistry()
     metrics = PrometheusMetrics(registry)

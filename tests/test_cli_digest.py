@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, NewClaim, Policy, SQLStore
-from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.stores.base import utcnow
 
 SCRIPT = Path(sys.executable).parent / "asgi-idempotency"

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
-from asgi_idempotency.cli import Exit, main
+from asgi_idempotency.ops.cli import Exit, main
 
 KEY = "refund-7f3a"
 PRINCIPAL = "user-42"

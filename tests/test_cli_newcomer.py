@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import text
 
 import asgi_idempotency
-from asgi_idempotency.cli import Exit, main
-from asgi_idempotency.demo import SCRATCH_PREFIX
-from asgi_idempotency.lifecycle import claim
-from asgi_idempotency.stores.sql import SQLStore
-from asgi_idempotency.urls import ACCEPTED, REDIS_SCHEMES, async_url
+from asgi_idempotency.core.lifecycle import claim
+from asgi_idempotency.ops.cli import Exit, main
+from asgi_idempotency.ops.demo import SCRATCH_PREFIX
+from asgi_idempotency.stores.sql.store import SQLStore
+from asgi_idempotency.stores.urls import ACCEPTED, REDIS_SCHEMES, async_url
 from tests.conftest import PgServer, backdate
 
 

@@ -13,11 +13,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from asgi_idempotency.cli import REDIS_MIGRATE, REDIS_PRUNE, Exit, main
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.lifecycle import claim
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.core.lifecycle import claim
+from asgi_idempotency.ops.cli import REDIS_MIGRATE, REDIS_PRUNE, Exit, main
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.urls import is_redis, redact
+from asgi_idempotency.stores.urls import is_redis, redact
 from tests.conftest import backdate, redis_store
 
 pytestmark = pytest.mark.redis

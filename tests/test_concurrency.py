@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.demo import count_refunds
+from asgi_idempotency.ops.demo import count_refunds
 from tests.conftest import TinyFactory
 from tests.serving import run_uvicorn
 
@@ -97,7 +97,7 @@ async def test_storm_across_four_uvicorn_workers(
         await truncate(store)
     try:
         with run_uvicorn(
-            "asgi_idempotency.demo:app",
+            "asgi_idempotency.ops.demo:app",
             env={"IDEMPOTENCY_DEMO_DATABASE_URL": url},
             log_dir=tmp_path,
             workers=4,

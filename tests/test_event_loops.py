@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from tests.conftest import PgServer, _prepare
 
@@ -128,7 +128,7 @@ def test_a_test_client_without_with_replays_on_every_store(
 @pytest.mark.parametrize("kind", KINDS)
 def test_asyncio_run_twice_on_one_store(kind: str, request: pytest.FixtureRequest) -> None:
     # The same without Starlette: a script that calls asyncio.run once per step.
-    from asgi_idempotency import lifecycle
+    from asgi_idempotency.core import lifecycle
     from asgi_idempotency.stores.base import utcnow
 
     store = _store(kind, request)

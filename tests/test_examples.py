@@ -23,7 +23,7 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch, url: str) -> ModuleType:
 @pytest.mark.postgres
 async def test_fastapi_transactional_example(monkeypatch: pytest.MonkeyPatch, pg_url: str) -> None:
     from asgi_idempotency import SQLStore
-    from asgi_idempotency.demo import refunds
+    from asgi_idempotency.ops.demo import refunds
     from tests.conftest import truncate
 
     store = SQLStore(pg_url)

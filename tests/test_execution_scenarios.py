@@ -1,6 +1,6 @@
 """One scenario table, run through HTTP (the middleware) and the function guard alike.
 
-Both are adapters over one execution core (:mod:`asgi_idempotency.execution`), so
+Both are adapters over one execution core (:mod:`asgi_idempotency.core.execution`), so
 every lifecycle event must look the same through either: each row is run through a
 tiny guarded Starlette app and through :class:`Once`, on the memory store and on a
 real Postgres, and the two columns' traces must equal each other and the table's.
@@ -25,10 +25,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Once, Policy
-from asgi_idempotency.errors import InProgress, KeyReused, StoreError
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.once import record_key
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.functions.once import record_key
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, RecordStatus, Store
 from tests.conftest import open_store
 

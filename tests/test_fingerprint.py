@@ -11,8 +11,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from asgi_idempotency.canonical import canonical_json, canonicalize_json_bytes
-from asgi_idempotency.fingerprint import (
+from asgi_idempotency.core.canonical import canonical_json, canonicalize_json_bytes
+from asgi_idempotency.http.fingerprint import (
     _form_pairs,
     _multipart_parts,
     fingerprint,

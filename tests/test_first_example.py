@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asgi_idempotency._serve import uvicorn_process
+from asgi_idempotency.ops._serve import uvicorn_process
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fastapi_refunds.py"

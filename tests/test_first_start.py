@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.migrations import VERSION_TABLE, head
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.schema import metadata
+from asgi_idempotency.stores.sql.schema import metadata
 from tests.conftest import PgServer
 from tests.lifespan import start
 

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore
-from asgi_idempotency.asgi import ASGIApp, Message
-from asgi_idempotency.principals import ANONYMOUS, from_dependency
+from asgi_idempotency.http.asgi import ASGIApp, Message
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Store
 from tests.lifespan import start
 

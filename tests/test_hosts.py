@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, InvalidHost, MemoryStore, Policy
-from asgi_idempotency._serve import serve_in_thread
-from asgi_idempotency.asgi import Scope
-from asgi_idempotency.request import forwarded_hosts, host_name, host_scope
+from asgi_idempotency.http.asgi import Scope
+from asgi_idempotency.http.request import forwarded_hosts, host_name, host_scope
+from asgi_idempotency.ops._serve import serve_in_thread
 from tests.lifespan import served
 
 KEY = "refund-A-88214"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from asgi_idempotency import MemoryStore
-from asgi_idempotency.errors import InvalidKey
-from asgi_idempotency.keys import parse_key
+from asgi_idempotency.core.errors import InvalidKey
+from asgi_idempotency.core.keys import parse_key
 from tests.conftest import TinyFactory
 
 PROBLEM = "application/problem+json"

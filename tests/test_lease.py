@@ -10,8 +10,8 @@ from datetime import datetime, timedelta
 import pytest
 
 from asgi_idempotency import Policy
-from asgi_idempotency.lease import LeaseRenewal, LeaseRenewals
-from asgi_idempotency.observer import Observer
+from asgi_idempotency.core.lease import LeaseRenewal, LeaseRenewals
+from asgi_idempotency.observability.observer import Observer
 from asgi_idempotency.stores.base import NewClaim, Store, utcnow
 from asgi_idempotency.stores.memory import MemoryStore
 from tests.conftest import TinyFactory

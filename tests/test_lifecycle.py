@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from asgi_idempotency.lifecycle import (
+from asgi_idempotency.core.lifecycle import (
     ClaimOutcome,
     RecordState,
     completion_backoff,

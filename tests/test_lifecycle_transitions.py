@@ -13,8 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from asgi_idempotency import StoreError, lifecycle
-from asgi_idempotency.lifecycle import ClaimOutcome
+from asgi_idempotency import StoreError
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import BUSY, NewClaim, Record, RecordStatus, StoredResponse
 from tests.scripted_store import ScriptedStore
 

@@ -29,14 +29,14 @@ from mcp_types import CallToolResult, RequestParamsMeta
 from pydantic import AnyHttpUrl
 
 from asgi_idempotency import MemoryStore, Once, Outcome
-from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import derive_key
 from asgi_idempotency.client import mcp as client_mcp
 from asgi_idempotency.client.mcp import call_tool, refusal, tool_call_meta
-from asgi_idempotency.errors import StoreError
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.http.principals import ANONYMOUS, PrincipalFunc, from_headers
 from asgi_idempotency.integrations import mcp as server_mcp
 from asgi_idempotency.integrations.mcp import META_KEY, ToolGuard, from_access_token
-from asgi_idempotency.principals import ANONYMOUS, PrincipalFunc, from_headers
+from asgi_idempotency.ops._serve import serve_in_thread
 from asgi_idempotency.stores.base import NewClaim, Record
 from tests._blocking import run_without
 from tests.serving import run_uvicorn
@@ -325,7 +325,8 @@ def test_the_client_half_imports_no_server_code() -> None:
         "starlette,sqlalchemy,mcp",
         "import asgi_idempotency.client.mcp\n"
         "leaked = sorted(m for m in sys.modules if m.startswith("
-        "('asgi_idempotency.integrations', 'asgi_idempotency.once', 'starlette', 'mcp.')))\n"
+        "('asgi_idempotency.integrations', 'asgi_idempotency.functions.once',"
+        " 'starlette', 'mcp.')))\n"
         "assert not leaked, leaked\n",
     )
     assert done.returncode == 0, done.stderr

@@ -29,11 +29,11 @@ from asgi_idempotency import (
     Policy,
     SQLStore,
 )
-from asgi_idempotency import metrics as metrics_module
-from asgi_idempotency import prometheus as prometheus_module
-from asgi_idempotency.metrics import FanOutMetrics, MetricsSnapshot
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.observability import metrics as metrics_module
+from asgi_idempotency.observability import prometheus as prometheus_module
+from asgi_idempotency.observability.metrics import FanOutMetrics, MetricsSnapshot
+from asgi_idempotency.observability.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import Store
 from tests.conftest import StoreClock, TinyFactory
 from tests.docs_text import docs_text

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.capture import storable_headers
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.capture import storable_headers
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from tests.conftest import TinyFactory
 

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.stores.sql import SQLStore
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.stores.sql.store import SQLStore
 from tests.conftest import PgServer
 
 pytestmark = pytest.mark.anyio

@@ -32,9 +32,9 @@ from asgi_idempotency import (
     SQLStore,
     StoreError,
 )
-from asgi_idempotency.errors import IdempotencyError
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.once import record_key
+from asgi_idempotency.core.errors import IdempotencyError
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.functions.once import record_key
 from asgi_idempotency.stores.base import Store, utcnow
 
 from . import once_holder

@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import BaseModel
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Once, Outcome, idempotent
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.once import InProgress, KeyReused
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.functions.once import InProgress, KeyReused
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim, Record
 from tests.otel_memory import attributes, in_memory_exporter
 

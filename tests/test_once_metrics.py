@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Once, Outcome, idempotent
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.once import InProgress, KeyReused
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.functions.once import InProgress, KeyReused
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.observability.prometheus import PrometheusMetrics
 from asgi_idempotency.stores.base import NewClaim
 
 pytestmark = pytest.mark.anyio

@@ -18,17 +18,17 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
-from asgi_idempotency.middleware import SAFE_METHODS
-from asgi_idempotency.openapi import (
+from asgi_idempotency.http.middleware import SAFE_METHODS
+from asgi_idempotency.http.policy import ResolvedRoute, lookup, policy_of
+from asgi_idempotency.http.principals import ANONYMOUS, from_headers
+from asgi_idempotency.http.responder import STREAM_KEEP_LIMIT
+from asgi_idempotency.integrations.openapi import (
     _SAFE_METHODS,
     PROBLEM_SCHEMA_NAME,
     apply_to_schema,
     guard_of_for,
     install_openapi,
 )
-from asgi_idempotency.policy import ResolvedRoute, lookup, policy_of
-from asgi_idempotency.principals import ANONYMOUS, from_headers
-from asgi_idempotency.responder import STREAM_KEEP_LIMIT
 
 pytestmark = pytest.mark.anyio
 
@@ -397,7 +397,7 @@ def test_an_app_without_openapi_is_left_alone() -> None:
 
 
 async def test_a_webhook_route_documents_its_signature_not_the_key_header() -> None:
-    from asgi_idempotency.webhooks import github
+    from asgi_idempotency.integrations.webhooks import github
 
     app = FastAPI()
 

@@ -24,9 +24,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, Once
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.once import record_key
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.functions.once import record_key
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, Store
 from asgi_idempotency.stores.memory import MemoryStore
 

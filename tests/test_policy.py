@@ -19,8 +19,8 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
-from asgi_idempotency.policy import policy_of
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.policy import policy_of
+from asgi_idempotency.http.principals import ANONYMOUS
 
 pytestmark = pytest.mark.anyio
 

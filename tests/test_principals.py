@@ -52,7 +52,7 @@ from asgi_idempotency import (
     Policy,
     idempotent,
 )
-from asgi_idempotency.principals import (
+from asgi_idempotency.http.principals import (
     ANONYMOUS,
     from_dependency,
     from_headers,
@@ -1115,7 +1115,7 @@ async def test_an_identity_attribute_the_user_lacks_is_a_500_naming_it() -> None
 
 
 def test_return_annotations_that_name_a_caller_pass_the_startup_check() -> None:
-    from asgi_idempotency.fastapi_claim import unnamed_return
+    from asgi_idempotency.integrations.fastapi import unnamed_return
 
     @dataclass
     class Account:

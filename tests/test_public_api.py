@@ -42,8 +42,11 @@ def test_required_names_are_public() -> None:
 
 
 def test_every_public_class_of_the_modules_is_exported() -> None:
-    from asgi_idempotency import errors, lifecycle, metrics, middleware, policy
-    from asgi_idempotency.stores import base, memory, sql
+    from asgi_idempotency.core import errors, lifecycle
+    from asgi_idempotency.http import middleware, policy
+    from asgi_idempotency.observability import metrics
+    from asgi_idempotency.stores import base, memory
+    from asgi_idempotency.stores.sql import store as sql
 
     for module in (errors, lifecycle, metrics, middleware, policy, base, memory, sql):
         for name in module.__all__:
@@ -53,7 +56,7 @@ def test_every_public_class_of_the_modules_is_exported() -> None:
 
 def test_the_names_of_an_extra_are_reachable_but_not_star_exported() -> None:
     # In __all__ they would make ``from asgi_idempotency import *`` fail without the extra.
-    from asgi_idempotency import prometheus
+    from asgi_idempotency.observability import prometheus
 
     for name in prometheus.__all__:
         assert name not in asgi_idempotency.__all__, name

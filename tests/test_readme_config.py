@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore, idempotent
-from asgi_idempotency.cli import Exit
-from asgi_idempotency.errors import IdempotencyError
-from asgi_idempotency.metrics import Outcome
-from asgi_idempotency.urls import ENV_URL
-from asgi_idempotency.webhooks import github
+from asgi_idempotency.core.errors import IdempotencyError
+from asgi_idempotency.integrations.webhooks import github
+from asgi_idempotency.observability.metrics import Outcome
+from asgi_idempotency.ops.cli import Exit
+from asgi_idempotency.stores.urls import ENV_URL
 from tests.docs_text import docs_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_the_environment_variables_named_are_the_ones_read() -> None:
 
 
 def test_the_startup_message_names_the_command_the_readme_names() -> None:
-    from asgi_idempotency.stores import sql
+    from asgi_idempotency.stores.sql import store as sql
 
     command = "asgi-idempotency migrate --database-url"
     assert command in README

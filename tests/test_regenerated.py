@@ -20,10 +20,10 @@ from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, SQLStore, StoredResponse
 from asgi_idempotency.client import derive_key
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.principals import from_headers
-from asgi_idempotency.prometheus import PrometheusMetrics
-from asgi_idempotency.regenerated import MARKER_TOKEN
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.http.principals import from_headers
+from asgi_idempotency.observability.prometheus import PrometheusMetrics
+from asgi_idempotency.observability.regenerated import MARKER_TOKEN
 from asgi_idempotency.stores.base import NewClaim, Record, RecordStatus, Store
 from tests.conftest import StoreClock, emptied, redis_store
 
@@ -97,7 +97,7 @@ async def test_off_by_default() -> None:
 
 
 def test_the_window_is_a_positive_timedelta() -> None:
-    from asgi_idempotency.regenerated import RegeneratedKeys
+    from asgi_idempotency.observability.regenerated import RegeneratedKeys
 
     with pytest.raises(ValueError, match="window"):
         RegeneratedKeys(timedelta(0))

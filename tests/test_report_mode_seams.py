@@ -26,11 +26,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.demo import demo_metadata, prepare, refunds
-from asgi_idempotency.principals import ANONYMOUS, from_dependency, from_user
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency, from_user
+from asgi_idempotency.integrations.transactional import get_session
+from asgi_idempotency.integrations.webhooks import github
+from asgi_idempotency.ops.demo import demo_metadata, prepare, refunds
 from asgi_idempotency.stores.base import Store
-from asgi_idempotency.transactional import get_session
-from asgi_idempotency.webhooks import github
 from tests.conftest import PgServer
 
 pytestmark = pytest.mark.anyio

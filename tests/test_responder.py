@@ -24,8 +24,8 @@ from asgi_idempotency import (
     StoredResponse,
     StoreError,
 )
-from asgi_idempotency.asgi import Message
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.asgi import Message
+from asgi_idempotency.http.principals import ANONYMOUS
 from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio

@@ -16,11 +16,11 @@ import pytest
 from sqlalchemy import text
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.asgi import Message
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.lifecycle import ClaimOutcome, claim
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.retention import (
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.core.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.http.asgi import Message
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.ops.retention import (
     Pruner,
     PruningMiddleware,
     count_expired,

@@ -31,8 +31,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency._serve import uvicorn_process
-from asgi_idempotency.principals import ANONYMOUS, from_dependency
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
+from asgi_idempotency.ops._serve import uvicorn_process
 from tests.conftest import PgServer
 from tests.lifespan import served
 
@@ -155,7 +155,7 @@ def test_uvicorn_exits_non_zero_printing_the_refusal(tmp_path: Path) -> None:
             from starlette.routing import Route
 
             from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
-            from asgi_idempotency.principals import ANONYMOUS
+            from asgi_idempotency.http.principals import ANONYMOUS
 
             async def refund(request):
                 return Response(status_code=201)
@@ -376,7 +376,7 @@ def test_a_failing_stores_reason_reaches_uvicorns_default_output(
             from starlette.routing import Route
 
             from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
-            from asgi_idempotency.principals import ANONYMOUS
+            from asgi_idempotency.http.principals import ANONYMOUS
 
             async def refund(request):
                 return JSONResponse({{}}, status_code=201)
@@ -418,7 +418,7 @@ _LOGS_ONE = """
 import asyncio, logging, sys
 {configure}
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 
 async def bare(scope, receive, send):
     pass

@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from asgi_idempotency import IdempotencyMiddleware, Once, SQLStore, idempotent
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.prometheus import PrometheusMetrics
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.observability.prometheus import PrometheusMetrics
 from tests.conftest import StoreClock, emptied
 from tests.otel_memory import attributes, in_memory_exporter
 

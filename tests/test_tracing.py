@@ -13,9 +13,10 @@ from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Once, idempotent, tracing
-from asgi_idempotency.once import KeyReused
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Once, idempotent
+from asgi_idempotency.functions.once import KeyReused
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.observability import tracing
 from tests.otel_memory import attributes, in_memory_exporter
 
 pytestmark = pytest.mark.anyio

@@ -19,9 +19,9 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore, idempotent
-from asgi_idempotency.demo import kill_after_write, refunds
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.transactional import get_connection, get_session
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.integrations.transactional import get_connection, get_session
+from asgi_idempotency.ops.demo import kill_after_write, refunds
 from tests.conftest import truncate
 from tests.serving import run_uvicorn
 
@@ -313,7 +313,7 @@ async def test_transactional_storm_across_four_workers(tx_url: str, tmp_path: Pa
     env = {"IDEMPOTENCY_DEMO_DATABASE_URL": tx_url, "IDEMPOTENCY_DEMO_TRANSACTIONAL": "1"}
     try:
         with run_uvicorn(
-            "asgi_idempotency.demo:app", env=env, log_dir=tmp_path, workers=4
+            "asgi_idempotency.ops.demo:app", env=env, log_dir=tmp_path, workers=4
         ) as server:
             async with httpx.AsyncClient(
                 base_url=server.base_url, timeout=30, limits=httpx.Limits(max_connections=100)

@@ -29,8 +29,8 @@ from sqlalchemy import event, insert
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore, StoredResponse
-from asgi_idempotency.demo import refunds
-from asgi_idempotency.errors import StoreError
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.ops.demo import refunds
 from tests.conftest import truncate
 from tests.test_transactional import client, refund_rows, tx_app
 

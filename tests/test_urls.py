@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import cli, lifecycle
-from asgi_idempotency.stores.sql import SQLStore
-from asgi_idempotency.urls import ENV_URL, async_url, redact, sqlite_path
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.ops import cli
+from asgi_idempotency.stores.sql.store import SQLStore
+from asgi_idempotency.stores.urls import ENV_URL, async_url, redact, sqlite_path
 
 SPELLINGS = [
     ("sqlite:///x.db", "sqlite+aiosqlite:///x.db"),

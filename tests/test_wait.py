@@ -41,9 +41,9 @@ from asgi_idempotency import (
     StoreError,
     idempotent,
 )
-from asgi_idempotency.principals import ANONYMOUS, from_dependency
+from asgi_idempotency.core.waiting import POLL_FIRST, POLL_MAX, Waiters
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Record
-from asgi_idempotency.waiting import POLL_FIRST, POLL_MAX, Waiters
 from tests.conftest import open_store
 from tests.test_garbage import ROUNDS as GARBAGE_ROUNDS
 from tests.test_garbage import Gate

@@ -30,9 +30,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.integrations.webhooks import (
+    DeliveryKey,
+    from_header,
+    github,
+    standard_webhooks,
+    stripe,
+)
 from asgi_idempotency.stores.base import Store
-from asgi_idempotency.webhooks import DeliveryKey, from_header, github, standard_webhooks, stripe
 
 pytestmark = pytest.mark.anyio
 

@@ -18,8 +18,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .canonical import CanonicalJSONError, canonical_json
-    from .errors import (
+    from asgi_idempotency.core.canonical import CanonicalJSONError, canonical_json
+    from asgi_idempotency.core.errors import (
         AppNotStarted,
         AttemptsUnknown,
         BodyTooLarge,
@@ -43,14 +43,21 @@ if TYPE_CHECKING:
         StoreError,
         StoreUnavailable,
     )
-    from .lifecycle import Claim, ClaimOutcome, RecordState
-    from .metrics import FanOutMetrics, InMemoryMetrics, MetricsSnapshot, Outcome
-    from .middleware import IdempotencyMiddleware
-    from .once import Once
-    from .policy import Policy, idempotent
-    from .prometheus import PrometheusMetrics as PrometheusMetrics  # not in __all__
-    from .retention import Pruner, PruningMiddleware, prune_all
-    from .stores.base import (
+    from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome, RecordState
+    from asgi_idempotency.functions.once import Once
+    from asgi_idempotency.http.middleware import IdempotencyMiddleware
+    from asgi_idempotency.http.policy import Policy, idempotent
+    from asgi_idempotency.observability.metrics import (
+        FanOutMetrics,
+        InMemoryMetrics,
+        MetricsSnapshot,
+        Outcome,
+    )
+    from asgi_idempotency.observability.prometheus import (
+        PrometheusMetrics as PrometheusMetrics,  # not in __all__
+    )
+    from asgi_idempotency.ops.retention import Pruner, PruningMiddleware, prune_all
+    from asgi_idempotency.stores.base import (
         BUSY,
         AuditableStore,
         Bucket,
@@ -64,10 +71,12 @@ if TYPE_CHECKING:
         StoreTransaction,
         TransactionalStore,
     )
-    from .stores.duplicates import SuspectedDuplicate
-    from .stores.memory import MemoryStore
-    from .stores.redis import RedisStore as RedisStore  # not in __all__: the redis extra
-    from .stores.sql import SQLStore
+    from asgi_idempotency.stores.duplicates import SuspectedDuplicate
+    from asgi_idempotency.stores.memory import MemoryStore
+    from asgi_idempotency.stores.redis import (
+        RedisStore as RedisStore,  # not in __all__: the redis extra
+    )
+    from asgi_idempotency.stores.sql.store import SQLStore
 
 __all__ = [
     "AppNotStarted",
@@ -129,61 +138,61 @@ __all__ = [
 ]
 
 _WHERE = {
-    "CanonicalJSONError": ".canonical",
-    "canonical_json": ".canonical",
-    "FanOutMetrics": ".metrics",
-    "InMemoryMetrics": ".metrics",
-    "MetricsSnapshot": ".metrics",
-    "Outcome": ".metrics",
-    "IdempotencyMiddleware": ".middleware",
-    "Once": ".once",
-    "Policy": ".policy",
-    "idempotent": ".policy",
-    "PrometheusMetrics": ".prometheus",
-    "Pruner": ".retention",
-    "PruningMiddleware": ".retention",
-    "prune_all": ".retention",
-    "BodyTooLarge": ".errors",
-    "IdempotencyError": ".errors",
-    "InvalidHost": ".errors",
-    "InvalidKey": ".errors",
-    "InvalidSignature": ".errors",
-    "KeyMismatch": ".errors",
-    "InProgress": ".errors",
-    "KeyReused": ".errors",
-    "OnceError": ".errors",
-    "MissingMessageId": ".errors",
-    "AttemptsUnknown": ".errors",
-    "MissingKey": ".errors",
-    "RequestInProgress": ".errors",
-    "PrincipalMisconfigured": ".errors",
-    "GuardMisconfigured": ".errors",
-    "MiddlewareMisplaced": ".errors",
-    "AppNotStarted": ".errors",
-    "PrincipalMissing": ".errors",
-    "ResponseNotKept": ".errors",
-    "SchemaMissing": ".errors",
-    "StoreError": ".errors",
-    "StoreUnavailable": ".errors",
-    "Claim": ".lifecycle",
-    "ClaimOutcome": ".lifecycle",
-    "RecordState": ".lifecycle",
-    "BUSY": ".stores.base",
-    "AuditableStore": ".stores.base",
-    "SuspectedDuplicate": ".stores.duplicates",
-    "Bucket": ".stores.base",
-    "Capabilities": ".stores.base",
-    "NewClaim": ".stores.base",
-    "PreparedStore": ".stores.base",
-    "StoreTransaction": ".stores.base",
-    "Record": ".stores.base",
-    "RecordStatus": ".stores.base",
-    "Store": ".stores.base",
-    "StoredResponse": ".stores.base",
-    "TransactionalStore": ".stores.base",
-    "MemoryStore": ".stores.memory",
-    "SQLStore": ".stores.sql",
-    "RedisStore": ".stores.redis",  # the redis extra: reachable, not star-exported
+    "CanonicalJSONError": "asgi_idempotency.core.canonical",
+    "canonical_json": "asgi_idempotency.core.canonical",
+    "FanOutMetrics": "asgi_idempotency.observability.metrics",
+    "InMemoryMetrics": "asgi_idempotency.observability.metrics",
+    "MetricsSnapshot": "asgi_idempotency.observability.metrics",
+    "Outcome": "asgi_idempotency.observability.metrics",
+    "IdempotencyMiddleware": "asgi_idempotency.http.middleware",
+    "Once": "asgi_idempotency.functions.once",
+    "Policy": "asgi_idempotency.http.policy",
+    "idempotent": "asgi_idempotency.http.policy",
+    "PrometheusMetrics": "asgi_idempotency.observability.prometheus",
+    "Pruner": "asgi_idempotency.ops.retention",
+    "PruningMiddleware": "asgi_idempotency.ops.retention",
+    "prune_all": "asgi_idempotency.ops.retention",
+    "BodyTooLarge": "asgi_idempotency.core.errors",
+    "IdempotencyError": "asgi_idempotency.core.errors",
+    "InvalidHost": "asgi_idempotency.core.errors",
+    "InvalidKey": "asgi_idempotency.core.errors",
+    "InvalidSignature": "asgi_idempotency.core.errors",
+    "KeyMismatch": "asgi_idempotency.core.errors",
+    "InProgress": "asgi_idempotency.core.errors",
+    "KeyReused": "asgi_idempotency.core.errors",
+    "OnceError": "asgi_idempotency.core.errors",
+    "MissingMessageId": "asgi_idempotency.core.errors",
+    "AttemptsUnknown": "asgi_idempotency.core.errors",
+    "MissingKey": "asgi_idempotency.core.errors",
+    "RequestInProgress": "asgi_idempotency.core.errors",
+    "PrincipalMisconfigured": "asgi_idempotency.core.errors",
+    "GuardMisconfigured": "asgi_idempotency.core.errors",
+    "MiddlewareMisplaced": "asgi_idempotency.core.errors",
+    "AppNotStarted": "asgi_idempotency.core.errors",
+    "PrincipalMissing": "asgi_idempotency.core.errors",
+    "ResponseNotKept": "asgi_idempotency.core.errors",
+    "SchemaMissing": "asgi_idempotency.core.errors",
+    "StoreError": "asgi_idempotency.core.errors",
+    "StoreUnavailable": "asgi_idempotency.core.errors",
+    "Claim": "asgi_idempotency.core.lifecycle",
+    "ClaimOutcome": "asgi_idempotency.core.lifecycle",
+    "RecordState": "asgi_idempotency.core.lifecycle",
+    "BUSY": "asgi_idempotency.stores.base",
+    "AuditableStore": "asgi_idempotency.stores.base",
+    "SuspectedDuplicate": "asgi_idempotency.stores.duplicates",
+    "Bucket": "asgi_idempotency.stores.base",
+    "Capabilities": "asgi_idempotency.stores.base",
+    "NewClaim": "asgi_idempotency.stores.base",
+    "PreparedStore": "asgi_idempotency.stores.base",
+    "StoreTransaction": "asgi_idempotency.stores.base",
+    "Record": "asgi_idempotency.stores.base",
+    "RecordStatus": "asgi_idempotency.stores.base",
+    "Store": "asgi_idempotency.stores.base",
+    "StoredResponse": "asgi_idempotency.stores.base",
+    "TransactionalStore": "asgi_idempotency.stores.base",
+    "MemoryStore": "asgi_idempotency.stores.memory",
+    "SQLStore": "asgi_idempotency.stores.sql.store",
+    "RedisStore": "asgi_idempotency.stores.redis",  # the redis extra: reachable, not star-exported
 }
 
 # A library leaves log output to the application (the logging HOWTO, "Configuring

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     IDEMPOTENCY_KEY_HEADER,
     AsyncIdempotentTransport,
@@ -22,6 +21,7 @@ from asgi_idempotency.client import (
     derive_key,
     random_key,
 )
+from asgi_idempotency.ops._serve import serve_in_thread
 from tests.client._apps import guarded_app
 
 # Only reads are cut short; connects get room on a loaded machine.

@@ -24,7 +24,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     AsyncIdempotentTransport,
     LedgerConflict,
@@ -38,6 +37,7 @@ from asgi_idempotency.client import (
     ledger_table,
     random_key,
 )
+from asgi_idempotency.ops._serve import serve_in_thread
 
 pytestmark = pytest.mark.anyio
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asgi_idempotency._serve import serve_in_thread
+from asgi_idempotency.ops._serve import serve_in_thread
 from tests.client._apps import guarded_app
 
 AGENT = Path(__file__).with_name("_agent.py")

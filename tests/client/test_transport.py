@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency._serve import serve_in_thread
 from asgi_idempotency.client import (
     IDEMPOTENCY_KEY_HEADER,
     AsyncIdempotentTransport,
@@ -23,6 +22,7 @@ from asgi_idempotency.client import (
     RetryPolicy,
     random_key,
 )
+from asgi_idempotency.ops._serve import serve_in_thread
 
 # Fast backoff so a test with several retries stays well under a second.
 FAST = RetryPolicy(attempts=5, timeout=10.0, wait_initial=0.01, wait_max=0.05, wait_jitter=0.01)

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import inspect
 
 from asgi_idempotency.migrations import upgrade
-from asgi_idempotency.urls import ENV_URL
+from asgi_idempotency.stores.urls import ENV_URL
 from tests.conftest import PgServer
 from tests.migrations.test_migrations import _inspect
 

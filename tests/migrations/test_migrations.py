@@ -17,8 +17,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from asgi_idempotency.migrations import VERSION_TABLE, alembic_config, downgrade, upgrade
-from asgi_idempotency.stores import schema
-from asgi_idempotency.stores.schema import metadata
+from asgi_idempotency.stores.sql import schema
+from asgi_idempotency.stores.sql.schema import metadata
 from tests.conftest import MariaDBServer, PgServer
 
 T = TypeVar("T")

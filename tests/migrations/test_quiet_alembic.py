@@ -20,9 +20,9 @@ import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from asgi_idempotency.cli import Exit, main
 from asgi_idempotency.migrations import TABLE, upgrade
-from asgi_idempotency.stores import schema
+from asgi_idempotency.ops.cli import Exit, main
+from asgi_idempotency.stores.sql import schema
 from tests.conftest import PgServer
 
 # An app's startup as a newcomer writes it: logging at INFO, then the store's check.
@@ -33,7 +33,7 @@ STARTUP = textwrap.dedent(
     if len(sys.argv) > 3:
         logging.getLogger("alembic").setLevel(logging.INFO)  # asked for: shown
     from asgi_idempotency.migrations import upgrade
-    from asgi_idempotency.stores.sql import SQLStore
+    from asgi_idempotency.stores.sql.store import SQLStore
 
     async def start(url):
         store = SQLStore(url)

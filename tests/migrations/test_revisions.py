@@ -16,8 +16,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from asgi_idempotency.cli import Exit, main
-from asgi_idempotency.errors import SchemaMissing
+from asgi_idempotency.core.errors import SchemaMissing
 from asgi_idempotency.migrations import (
     VERSION_TABLE,
     UnknownRevision,
@@ -25,7 +24,8 @@ from asgi_idempotency.migrations import (
     known_revisions,
     upgrade,
 )
-from asgi_idempotency.stores.sql import SQLStore
+from asgi_idempotency.ops.cli import Exit, main
+from asgi_idempotency.stores.sql.store import SQLStore
 from tests.conftest import PgServer
 
 NEWER = "9f9f9f9f9f9f"  # a revision no release of this version carries

@@ -24,8 +24,8 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from sqlalchemy import Column, Engine, Index, Integer, MetaData, String, Table, create_engine
 
-from asgi_idempotency.cli import main as cli_main
 from asgi_idempotency.migrations import TABLE, VERSION_TABLE, include_object
+from asgi_idempotency.ops.cli import main as cli_main
 from tests.conftest import PgServer
 from tests.docs_text import docs_text
 

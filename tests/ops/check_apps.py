@@ -32,8 +32,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from asgi_idempotency.keys import parse_key
-from asgi_idempotency.principals import ANONYMOUS, from_dependency
+from asgi_idempotency.core.keys import parse_key
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
 
 GUARDED = "tests.ops.check_apps:guarded"
 FLAWED = "tests.ops.check_apps:flawed"

@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from asgi_idempotency.keys import scope_digest
+from asgi_idempotency.core.keys import scope_digest
+from asgi_idempotency.http.principals import from_headers
+from asgi_idempotency.http.request import host_scope
 from asgi_idempotency.migrations import upgrade
-from asgi_idempotency.principals import from_headers
-from asgi_idempotency.request import host_scope
 from tests.audit_app import APP, ENV
 from tests.conftest import MariaDBServer, PgServer
 from tests.serving import run_uvicorn
@@ -82,7 +82,7 @@ def caller(user: str) -> str:
 def audit(url: str, *args: str) -> tuple[int, Any]:
     """``asgi-idempotency audit --database-url URL --format json ARGS`` in a process."""
     result = subprocess.run(
-        [sys.executable, "-m", "asgi_idempotency.cli", "audit", "--database-url", url,
+        [sys.executable, "-m", "asgi_idempotency.ops.cli", "audit", "--database-url", url,
          "--format", "json", *args],
         capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
     )  # fmt: skip

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from asgi_idempotency.cli import Exit, main
 from asgi_idempotency.ops.check import CHECKS
+from asgi_idempotency.ops.cli import Exit, main
 from tests.serving import UvicornProcess, run_uvicorn
 
 from .check_apps import FLAWED, FLAWS, GUARDED
@@ -62,7 +62,7 @@ def outcomes(report: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.slow
 def test_our_guard_passes_every_check_through_the_command(guarded: UvicornProcess) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "asgi_idempotency.cli", "check", guarded.base_url + "/refunds",
+        [sys.executable, "-m", "asgi_idempotency.ops.cli", "check", guarded.base_url + "/refunds",
          *BODY, *FULL],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -247,7 +247,7 @@ def test_usage_errors_exit_2(
 def test_without_httpx_it_names_the_extra_to_install() -> None:
     blocked = (
         "import sys; sys.modules['httpx'] = None; "
-        "from asgi_idempotency.cli import main; sys.exit(main(['check', 'http://127.0.0.1:9/']))"
+        "from asgi_idempotency.ops.cli import main; sys.exit(main(['check', 'http://127.0.0.1:9/']))"
     )
     done = subprocess.run(
         [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60, check=False

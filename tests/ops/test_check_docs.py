@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asgi_idempotency._serve import uvicorn_process
-from asgi_idempotency.cli import Exit, main
+from asgi_idempotency.ops._serve import uvicorn_process
+from asgi_idempotency.ops.cli import Exit, main
 from tests.docs_text import ROOT
 
 PAGE = ROOT / "docs" / "guide" / "check.md"

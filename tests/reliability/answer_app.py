@@ -15,7 +15,7 @@ from fastapi import BackgroundTasks, FastAPI
 from fastapi.responses import StreamingResponse
 
 from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 
 EFFECTS = Path(os.environ["EFFECTS"])
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
 from asgi_idempotency import IdempotencyMiddleware, Policy
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 
 Hook = Callable[[], Awaitable[None]]

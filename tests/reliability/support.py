@@ -215,14 +215,14 @@ class Probe:
 
 
 def demo_env(url: str, *, lease: float | None = None) -> dict[str, str]:
-    """Environment for ``asgi_idempotency.demo:app`` on ``url``."""
+    """Environment for ``asgi_idempotency.ops.demo:app`` on ``url``."""
     env = {"IDEMPOTENCY_DEMO_DATABASE_URL": url}
     if lease is not None:
         env["IDEMPOTENCY_DEMO_LEASE"] = str(lease)
     return env
 
 
-DEMO = "asgi_idempotency.demo:app"
+DEMO = "asgi_idempotency.ops.demo:app"
 SHARED_LEASE = 1.0  # seconds: the lease of the suite's shared demo servers
 
 

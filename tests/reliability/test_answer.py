@@ -24,7 +24,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 from tests.serving import run_uvicorn
 
 APP = "tests.reliability.answer_app:app"
@@ -140,7 +140,7 @@ async def test_a_stream_too_large_to_keep_runs_once_and_retries_are_told_so() ->
     import httpx
     from starlette.responses import StreamingResponse
 
-    from asgi_idempotency.responder import STREAM_KEEP_LIMIT
+    from asgi_idempotency.http.responder import STREAM_KEEP_LIMIT
 
     runs: list[int] = []
     chunk = b"x" * 65536

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from starlette.types import Message
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.stores.base import RecordStatus, Store
 
 from ..conftest import StoreClock

@@ -37,10 +37,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.asgi import Scope
-from asgi_idempotency.keys import scoped_key
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.http.asgi import Scope
 from asgi_idempotency.stores.base import Store
-from asgi_idempotency.stores.schema import records
+from asgi_idempotency.stores.sql.schema import records
 
 from .apps import RawResponse, asgi_call
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from asgi_idempotency import Once, SQLStore
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import RecordStatus
 
 from .apps import refund_app

@@ -414,6 +414,6 @@ def _masters(cluster: RedisCluster) -> int:
 
 
 def _scoped_of(client_key: str) -> str:
-    from asgi_idempotency.keys import scoped_key
+    from asgi_idempotency.core.keys import scoped_key
 
     return scoped_key("", client_key, "test")  # the host of refund_app.client()

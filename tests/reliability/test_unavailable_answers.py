@@ -32,8 +32,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim, Record, Store
 from tests.conftest import NO_POSTGRES, _pg_ctl
 
@@ -245,7 +245,7 @@ async def test_a_store_bug_is_not_a_503() -> None:
 
 
 def test_a_driver_message_quoting_a_dsn_loses_its_password() -> None:
-    from asgi_idempotency.errors import StoreError
+    from asgi_idempotency.core.errors import StoreError
 
     exc = ValueError(f"invalid DSN postgresql://bob:{PASSWORD}@db:5432/x; password={PASSWORD}")
     message = str(StoreError.wrap(exc))
@@ -255,7 +255,7 @@ def test_a_driver_message_quoting_a_dsn_loses_its_password() -> None:
 
 
 def test_in_progress_is_not_cacheable_either() -> None:
-    from asgi_idempotency.errors import KeyMismatch, RequestInProgress
+    from asgi_idempotency.core.errors import KeyMismatch, RequestInProgress
 
     assert (b"cache-control", b"no-store") in RequestInProgress("x", retry_after=1).headers()
     assert all(name != b"cache-control" for name, _ in KeyMismatch("x").headers())

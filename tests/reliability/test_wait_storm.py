@@ -21,7 +21,7 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency.waiting import POLL_FIRST, POLL_MAX
+from asgi_idempotency.core.waiting import POLL_FIRST, POLL_MAX
 
 from ..pgwire import RoundTrip, WireCounter
 from ..serving import UvicornProcess, run_uvicorn

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
+from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome, claim
 
 from ..conftest import emptied
 from ..serving import UvicornProcess, run_uvicorn

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS
 
 EFFECTS = Path(os.environ["EFFECTS"])
 WAIT = timedelta(seconds=25)

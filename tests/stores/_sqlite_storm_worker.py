@@ -16,7 +16,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from asgi_idempotency import SQLStore
-from asgi_idempotency.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.core.lifecycle import ClaimOutcome, claim
 from asgi_idempotency.stores.base import StoredResponse
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asgi_idempotency import SQLStore, lifecycle
+from asgi_idempotency import SQLStore
+from asgi_idempotency.core import lifecycle
 from asgi_idempotency.migrations import head, upgrade
 from asgi_idempotency.stores.base import AuditableStore, Store, StoredResponse, capabilities
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings

@@ -23,13 +23,14 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, StoredResponse, lifecycle
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, StoredResponse
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.core.lifecycle import Claim
 from asgi_idempotency.stores.base import NewClaim, utcnow
 from asgi_idempotency.stores.batching import Batcher
-from asgi_idempotency.stores.postgres_batched import _FIELDS, BatchingPostgresDriver
-from asgi_idempotency.stores.statements import PG_BATCHED
+from asgi_idempotency.stores.sql.postgres_batched import _FIELDS, BatchingPostgresDriver
+from asgi_idempotency.stores.sql.statements import PG_BATCHED
 from tests import pgwire
 from tests.conftest import truncate
 from tests.stores.test_round_trips import _proxied

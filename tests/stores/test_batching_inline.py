@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from asgi_idempotency.errors import StoreError
+from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.stores.batching import Batcher
 
 pytestmark = pytest.mark.anyio

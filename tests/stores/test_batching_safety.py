@@ -20,9 +20,10 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore, lifecycle
-from asgi_idempotency.errors import StoreError
-from asgi_idempotency.lifecycle import Claim
+from asgi_idempotency import ClaimOutcome, RecordStatus, SQLStore
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.core.lifecycle import Claim
 from asgi_idempotency.stores.base import NewClaim
 from tests.conftest import emptied
 from tests.pgfaults import FaultProxy

@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import ClaimOutcome, IdempotencyMiddleware, Policy, RecordStatus, SQLStore
-from asgi_idempotency.demo import refunds
-from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.transactional import get_session
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.integrations.transactional import get_session
+from asgi_idempotency.ops.demo import refunds
 from tests.conftest import TinyFactory, emptied
 from tests.pgfaults import FaultProxy
 from tests.stores.test_batching import RESPONSE, TTL, k, tok

@@ -11,7 +11,7 @@ from sqlalchemy import text
 
 from asgi_idempotency import IdempotencyError, SchemaMissing, SQLStore, StoreError
 from asgi_idempotency.stores.base import NewClaim, utcnow
-from asgi_idempotency.stores.sqlerrors import MYSQL_ERRORS, PG_ERRORS, SQLITE_ERRORS, ErrorBoundary
+from asgi_idempotency.stores.sql.errors import MYSQL_ERRORS, PG_ERRORS, SQLITE_ERRORS, ErrorBoundary
 
 SQL_KINDS = [
     "sqlite",

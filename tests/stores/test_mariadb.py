@@ -20,12 +20,14 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from asgi_idempotency import SQLStore, StoredResponse, cli, lifecycle
-from asgi_idempotency.errors import SchemaMissing, StoreError
-from asgi_idempotency.lifecycle import ClaimOutcome
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency import SQLStore, StoredResponse
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.errors import SchemaMissing, StoreError
+from asgi_idempotency.core.lifecycle import ClaimOutcome
+from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.ops import cli
 from asgi_idempotency.stores.base import NewClaim
-from asgi_idempotency.stores.mysql import MySQLDriver
+from asgi_idempotency.stores.sql.mysql import MySQLDriver
 from tests.conftest import MariaDBServer, TinyFactory, emptied
 from tests.reliability.support import TcpProxy
 from tests.stores.test_round_trips import _drive
@@ -519,7 +521,7 @@ async def test_create_all_from_many_processes_at_once_records_the_head_once(
 def test_a_mariadb_url_refuses_a_server_older_than_10_5_naming_the_mysql_url() -> None:
     """The mariadb+asyncmy:// claim is INSERT ... RETURNING (MariaDB 10.5+): an older
     server is refused at startup (prepare), not answered 503 on every request."""
-    from asgi_idempotency.stores.mariadb import server_problem
+    from asgi_idempotency.stores.sql.mariadb import server_problem
 
     problem = server_problem((10, 4, 32, "MariaDB"))
     assert problem is not None

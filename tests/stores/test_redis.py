@@ -23,9 +23,10 @@ import redis.asyncio as aioredis
 from redis import exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from asgi_idempotency import Policy, StoredResponse, StoreError, lifecycle
-from asgi_idempotency.keys import scoped_key
-from asgi_idempotency.principals import ANONYMOUS
+from asgi_idempotency import Policy, StoredResponse, StoreError
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.keys import scoped_key
+from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Capabilities, NewClaim, RecordStatus, Store, capabilities
 from asgi_idempotency.stores.redis import REDIS_ERRORS, RedisStore
 from tests.conftest import TinyFactory

@@ -16,8 +16,9 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from asgi_idempotency import StoredResponse, StoreError, lifecycle
-from asgi_idempotency.lifecycle import ClaimOutcome
+from asgi_idempotency import StoredResponse, StoreError
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import NewClaim, RecordStatus
 from asgi_idempotency.stores.redis import RedisStore
 from tests.redis_servers import RedisCluster as OurCluster

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asgi_idempotency.cli import Exit, main
+from asgi_idempotency.ops.cli import Exit, main
 from asgi_idempotency.stores import registry
 from asgi_idempotency.stores.base import Capabilities, capabilities
 from asgi_idempotency.stores.registry import StoreKind, kind_of, open_store, register

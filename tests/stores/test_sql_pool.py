@@ -15,8 +15,9 @@ from typing import Any, cast
 import pytest
 from sqlalchemy import text
 
-from asgi_idempotency import ClaimOutcome, SQLStore, StoreError, lifecycle
-from asgi_idempotency.stores.postgres import PostgresDriver
+from asgi_idempotency import ClaimOutcome, SQLStore, StoreError
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.stores.sql.postgres import PostgresDriver
 from tests.conftest import emptied, truncate
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]

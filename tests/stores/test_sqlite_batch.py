@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import text
 
 from asgi_idempotency import SQLStore, StoreError
-from asgi_idempotency.lifecycle import Claim, ClaimOutcome, claim
+from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome, claim
 from asgi_idempotency.stores.base import NewClaim, StoredResponse
-from asgi_idempotency.stores.sqlite import ConnectionThread, SQLiteDriver
+from asgi_idempotency.stores.sql.sqlite import ConnectionThread, SQLiteDriver
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from asgi_idempotency import SQLStore, StoreError
-from asgi_idempotency.lifecycle import ClaimOutcome, claim
-from asgi_idempotency.stores.sqlite import ConnectionThread, EngineSQLiteDriver, SQLiteDriver
+from asgi_idempotency.core.lifecycle import ClaimOutcome, claim
+from asgi_idempotency.stores.sql.sqlite import ConnectionThread, EngineSQLiteDriver, SQLiteDriver
 
 pytestmark = pytest.mark.anyio
 

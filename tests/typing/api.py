@@ -110,7 +110,7 @@ from asgi_idempotency.client import (
 )
 from asgi_idempotency.client import CanonicalJSONError as ClientCanonicalJSONError
 from asgi_idempotency.client import canonical_json as client_canonical_json
-from asgi_idempotency.principals import (
+from asgi_idempotency.http.principals import (
     ANONYMOUS,
     from_dependency,
     from_headers,

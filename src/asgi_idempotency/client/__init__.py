@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Final
 
-from asgi_idempotency.canonical import CanonicalJSONError, canonical_json
 from asgi_idempotency.client.keys import KEY_VERSION, derive_key
+from asgi_idempotency.core.canonical import CanonicalJSONError, canonical_json
 
 if TYPE_CHECKING:
     from asgi_idempotency.client.ledger import (

@@ -13,7 +13,7 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-from asgi_idempotency.canonical import canonical_json
+from asgi_idempotency.core.canonical import canonical_json
 
 __all__ = ["KEY_VERSION", "derive_key"]
 

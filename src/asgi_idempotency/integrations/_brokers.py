@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from datetime import timedelta
 
-from ..errors import AttemptsUnknown, MissingMessageId
+from asgi_idempotency.core.errors import AttemptsUnknown, MissingMessageId
 
 __all__ = ["AttemptsUnknown", "MissingMessageId", "body_digest", "check_attempts", "check_lease"]
 

@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 from celery import Celery, Task
 from celery.exceptions import Reject
 
-from ..errors import InProgress, KeyReused, MissingMessageId, StoreError
-from ..once import Once
-from ._brokers import check_lease, namespaced
+from asgi_idempotency.core.errors import InProgress, KeyReused, MissingMessageId, StoreError
+from asgi_idempotency.functions.once import Once
+from asgi_idempotency.integrations._brokers import check_lease, namespaced
 
 __all__ = ["CeleryGuard", "ack_timeout"]
 

@@ -16,7 +16,7 @@ refund of the same amount).
     @guard
     async def refund(order: str, amount: int) -> dict[str, str]: ...
 
-The guard is :class:`~asgi_idempotency.once.Once`: same store, lifecycle, metrics,
+The guard is :class:`~asgi_idempotency.functions.once.Once`: same store, lifecycle, metrics,
 traces and log events, one namespace per tool (``mcp.<function name>``). The record
 is scoped by the caller (``principal=``), and fingerprinted by the tool and its
 validated arguments. A guarded tool runs to its end even when the caller cancels it
@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from .._extras import missing_extra
+from asgi_idempotency._extras import missing_extra
 
 try:
     import pydantic_core
@@ -53,12 +53,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise missing_extra(__name__, "mcp", "mcp") from exc
 
 # The wire names are the caller's half's: one definition for both ends.
-from ..client.mcp import ERROR_META, META_KEY, RETRY_AFTER_META
-from ..errors import InProgress, KeyReused, StoreError
-from ..keys import MAX_KEY_LENGTH
-from ..metrics import Outcome
-from ..once import Once
-from ..principals import ANONYMOUS, PrincipalFunc
+from asgi_idempotency.client.mcp import ERROR_META, META_KEY, RETRY_AFTER_META
+from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
+from asgi_idempotency.core.keys import MAX_KEY_LENGTH
+from asgi_idempotency.functions.once import Once
+from asgi_idempotency.http.principals import ANONYMOUS, PrincipalFunc
+from asgi_idempotency.observability.metrics import Outcome
 
 __all__ = [
     "ERROR_META",
@@ -117,12 +117,12 @@ class ToolGuard:
     """Guard MCP tools so that each runs once per idempotency key sent in ``_meta``.
 
     Args:
-        once: the :class:`~asgi_idempotency.once.Once` that runs them: its store,
+        once: the :class:`~asgi_idempotency.functions.once.Once` that runs them: its store,
             ``ttl``, ``lease``, ``wait``, ``retry_after`` and metrics apply. Its own
             ``namespace`` is not used: each tool has ``<prefix>.<function name>``.
         principal: who the caller is, required, as the middleware's: a function of the
             HTTP request's ASGI scope (:func:`from_access_token` for MCP's bearer auth,
-            or :mod:`asgi_idempotency.principals`' ``from_headers``, ``from_user``,
+            or :mod:`asgi_idempotency.http.principals`' ``from_headers``, ``from_user``,
             ...), or ``ANONYMOUS``. A call it names no caller for (``None``), or that
             came over a transport with no HTTP request (stdio), is refused unless
             ``ANONYMOUS``.

@@ -32,9 +32,20 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from ..errors import AttemptsUnknown, InProgress, KeyReused, MissingMessageId, StoreError
-from ..once import Once
-from ._brokers import body_digest, check_attempts, check_lease, namespaced
+from asgi_idempotency.core.errors import (
+    AttemptsUnknown,
+    InProgress,
+    KeyReused,
+    MissingMessageId,
+    StoreError,
+)
+from asgi_idempotency.functions.once import Once
+from asgi_idempotency.integrations._brokers import (
+    body_digest,
+    check_attempts,
+    check_lease,
+    namespaced,
+)
 
 __all__ = ["JetStreamGuard", "MissingMessageId", "stream_sequence"]
 

@@ -148,7 +148,7 @@ def include_object(
 def alembic_config(url: str) -> Config:
     """An alembic ``Config`` for the database at ``url``.
 
-    Any spelling :func:`asgi_idempotency.urls.async_url` accepts (``postgres://``,
+    Any spelling :func:`asgi_idempotency.stores.urls.async_url` accepts (``postgres://``,
     ``sqlite:///path.db``, ...). The URL travels in ``Config.attributes``, which
     ``env.py`` reads before ``-x url=``, ``$IDEMPOTENCY_DATABASE_URL`` and the ini, so
     code that names a database migrates that one whatever the environment says.
@@ -295,7 +295,7 @@ def upgrade_behind(connection: Connection) -> bool:
     from alembic.config import Config
     from alembic.runtime.environment import EnvironmentContext
 
-    from ..stores.schema import metadata
+    from asgi_idempotency.stores.sql.schema import metadata
 
     current = _context(connection).get_current_heads()
     ours = head()
@@ -375,8 +375,8 @@ def _check_target(revision: str) -> None:
 
 
 async def _adopt(url: str) -> None:
-    from ..stores.schema import metadata
-    from ..urls import async_url
+    from asgi_idempotency.stores.sql.schema import metadata
+    from asgi_idempotency.stores.urls import async_url
 
     engine = create_async_engine(async_url(url), poolclass=NullPool)
 

@@ -1,6 +1,6 @@
 """Alembic environment: async engines, our own version table, batch mode on SQLite.
 
-The database, first found wins, each through the one URL rule (:mod:`asgi_idempotency.urls`):
+The database, first found wins, each through the one URL rule (:mod:`asgi_idempotency.stores.urls`):
 
 1. ``asgi_idempotency.migrations.upgrade(url)`` / ``downgrade(url)`` (``config.attributes``);
 2. ``alembic -x url=URL ...``;
@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from asgi_idempotency.migrations import VERSION_TABLE
-from asgi_idempotency.stores.schema import metadata
-from asgi_idempotency.urls import ENV_URL, async_url
+from asgi_idempotency.stores.sql.schema import metadata
+from asgi_idempotency.stores.urls import ENV_URL, async_url
 
 config = context.config
 

@@ -2,7 +2,7 @@
 
 ``alerts.yml`` is a Prometheus rule file (recording rules, then alerts) and
 ``dashboard.json`` a Grafana dashboard; both query only the counter that
-:class:`asgi_idempotency.prometheus.PrometheusMetrics` exports, under its default
+:class:`asgi_idempotency.observability.prometheus.PrometheusMetrics` exports, under its default
 prefix. Copy them out of the installed package (the README's Operations section says
 how)::
 

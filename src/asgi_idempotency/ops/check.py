@@ -28,7 +28,7 @@ from typing import Any
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
-    from .._extras import missing_extra
+    from asgi_idempotency._extras import missing_extra
 
     raise missing_extra("asgi_idempotency.ops.check", "httpx", "client") from exc
 

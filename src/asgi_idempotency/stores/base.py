@@ -1,7 +1,7 @@
 """The store protocol: records and the atomic, token-fenced primitives every store offers.
 
 Stores decide nothing: what a row means for a new request, and whether a response
-completes or releases a key, is :mod:`asgi_idempotency.lifecycle`. A store only
+completes or releases a key, is :mod:`asgi_idempotency.core.lifecycle`. A store only
 inserts, compares-and-swaps, updates and deletes rows atomically, and reports what
 it found. Every method raises :class:`~asgi_idempotency.StoreError` on failure.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from ..errors import StoreError
-from .duplicates import SuspectedDuplicate
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.stores.duplicates import SuspectedDuplicate
 
 __all__ = [
     "AuditableStore",
@@ -139,7 +139,7 @@ class Capabilities(NamedTuple):
     # store without them (exit 2, saying so).
     stats: bool = True
     # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
-    # CLI's ``prune``, :class:`~asgi_idempotency.retention.Pruner`). False: the store
+    # CLI's ``prune``, :class:`~asgi_idempotency.ops.retention.Pruner`). False: the store
     # deletes them itself when their retention ends (Redis: the key's TTL), and
     # ``asgi-idempotency prune`` says there is nothing to prune.
     prune: bool = True

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from ..errors import StoreError
+from asgi_idempotency.core.errors import StoreError
 
 __all__ = ["BatchStats", "Batcher"]
 

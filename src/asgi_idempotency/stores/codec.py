@@ -5,7 +5,7 @@ as one JSON list of latin-1 pairs, times as each driver binds them (aware UTC fo
 asyncpg, naive UTC for asyncmy's ``DATETIME(6)``, SQLAlchemy's fixed-width text for
 SQLite, integer epoch microseconds for Redis), and a SQL row of
 :data:`~.statements.RECORD_COLUMNS` as a :class:`~.base.Record`. The function
-guard's results are stored as a response body (orjson) by :mod:`asgi_idempotency.once`.
+guard's results are stored as a response body (orjson) by :mod:`asgi_idempotency.functions.once`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from ..errors import StoreError
-from .base import STATUS_OF, Record, StoredResponse
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.stores.base import STATUS_OF, Record, StoredResponse
 
 __all__ = [
     "as_time",

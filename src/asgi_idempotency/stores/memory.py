@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from .base import (
+from asgi_idempotency.stores.base import (
     STATUS_OF,
     Bucket,
     Capabilities,
@@ -18,7 +18,7 @@ from .base import (
     StoredResponse,
     utcnow,
 )
-from .duplicates import Sighting, SuspectedDuplicate, group_sightings
+from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
 
 __all__ = ["MemoryStore"]
 

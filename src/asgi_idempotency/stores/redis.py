@@ -31,7 +31,7 @@ Fields (``HGETALL idem:{…}`` in ``redis-cli``): ``h`` request hash, ``s`` stat
 microseconds since the epoch (exact in Lua's doubles until the year 2255), ``rs``
 ``rh`` ``rb`` the stored response's status, headers (the SQL store's encoding) and
 body bytes. Like the SQL store, this store decides nothing: what a row means is
-:mod:`asgi_idempotency.lifecycle`'s.
+:mod:`asgi_idempotency.core.lifecycle`'s.
 
 Leases and retention are on the server's clock: the scripts take the lease and the
 ttl as durations (microseconds) and read ``TIME`` themselves, so app hosts whose
@@ -66,14 +66,22 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import StoreError
-from ..urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
-from .base import STATUS_OF, Bucket, Capabilities, NewClaim, Record, RecordStatus, StoredResponse
-from .batching import Batcher, BatchStats
-from .codec import decode_headers, encode_headers
-from .duplicates import Sighting, SuspectedDuplicate, group_sightings
-from .loops import LoopTenure
-from .sqlerrors import ErrorBoundary
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.stores.base import (
+    STATUS_OF,
+    Bucket,
+    Capabilities,
+    NewClaim,
+    Record,
+    RecordStatus,
+    StoredResponse,
+)
+from asgi_idempotency.stores.batching import Batcher, BatchStats
+from asgi_idempotency.stores.codec import decode_headers, encode_headers
+from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
+from asgi_idempotency.stores.loops import LoopTenure
+from asgi_idempotency.stores.sql.errors import ErrorBoundary
+from asgi_idempotency.stores.urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
 
 try:
     import redis.asyncio as aioredis

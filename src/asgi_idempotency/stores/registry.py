@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._extras import missing_extra
-from ..urls import async_url
-from .base import Capabilities, Store
+from asgi_idempotency._extras import missing_extra
+from asgi_idempotency.stores.base import Capabilities, Store
+from asgi_idempotency.stores.urls import async_url
 
 __all__ = ["KINDS", "StoreKind", "kind_of", "kinds", "open_store", "register"]
 
@@ -38,7 +38,7 @@ class StoreKind:
         drivers: a ``backend+driver`` scheme is this kind's when ``backend`` is one of
             :attr:`schemes` (SQL URLs: the URL rule then accepts or refuses the driver).
         normalize: the URL as the store reads it (the SQL URL rule,
-            :func:`~asgi_idempotency.urls.async_url`); ``None``: as given.
+            :func:`~asgi_idempotency.stores.urls.async_url`); ``None``: as given.
         lacks: for a capability the kind lacks, why, as the CLI says it
             (``{"prune": "..."}``); a kind without a note gets a generic sentence.
         cli_options: more options for the store the CLI builds (one command at a
@@ -90,25 +90,25 @@ class StoreKind:
 #: Our kinds of store, one entry each.
 KINDS: list[StoreKind] = [
     StoreKind(
-        "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql:SQLStore",
+        "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
         drivers=True,
         normalize=async_url,
         cli_options={"pool_size": 1},
     ),
     StoreKind(
-        "SQLite", ("sqlite",), "asgi_idempotency.stores.sql:SQLStore",
+        "SQLite", ("sqlite",), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(migrations=True, audit=True), drivers=True, normalize=async_url,
         cli_options={"pool_size": 1},
     ),
     StoreKind(
-        "MariaDB", ("mariadb",), "asgi_idempotency.stores.sql:SQLStore",
+        "MariaDB", ("mariadb",), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
         extra="mysql",
         drivers=True, normalize=async_url, cli_options={"pool_size": 1},
     ),
     StoreKind(
-        "MySQL", ("mysql",), "asgi_idempotency.stores.sql:SQLStore",
+        "MySQL", ("mysql",), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(migrations=True, audit=True, own_clock=True), extra="mysql", drivers=True,
         normalize=async_url, cli_options={"pool_size": 1},
         lacks={

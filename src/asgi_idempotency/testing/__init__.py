@@ -17,10 +17,16 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .http_checks import CheckReport, CheckResult, Outcome, assert_conforms, check_app
+from asgi_idempotency.testing.http_checks import (
+    CheckReport,
+    CheckResult,
+    Outcome,
+    assert_conforms,
+    check_app,
+)
 
 if TYPE_CHECKING:
-    from .store_contract import Claimant, StoreClock, StoreContract
+    from asgi_idempotency.testing.store_contract import Claimant, StoreClock, StoreContract
 
 __all__ = [
     "CheckReport",
@@ -43,7 +49,7 @@ def __getattr__(name: str) -> Any:
             import pytest
 
             pytest.register_assert_rewrite(module)
-        from . import store_contract
+        from asgi_idempotency.testing import store_contract
 
         return getattr(store_contract, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..ops.check import CheckOptions, CheckResult, Outcome, run_checks
-from ..ops.check import Report as CheckReport
+from asgi_idempotency.ops.check import CheckOptions, CheckResult, Outcome, run_checks
+from asgi_idempotency.ops.check import Report as CheckReport
 
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - ops.check raises first
-    from .._extras import missing_extra
+    from asgi_idempotency._extras import missing_extra
 
     raise missing_extra("asgi_idempotency.testing", "httpx", "client") from exc
 

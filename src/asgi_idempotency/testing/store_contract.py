@@ -37,9 +37,10 @@ from typing import Any
 
 import pytest
 
-from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse, lifecycle
-from asgi_idempotency.lifecycle import Claim
-from asgi_idempotency.regenerated import RegeneratedKeys
+from asgi_idempotency import ClaimOutcome, RecordStatus, StoredResponse
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.lifecycle import Claim
+from asgi_idempotency.observability.regenerated import RegeneratedKeys
 from asgi_idempotency.stores.base import (
     BUSY,
     NewClaim,

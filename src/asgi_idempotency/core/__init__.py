@@ -1,0 +1,1 @@
+"""The rules and the one execution core: lifecycle, lease, keys, canonical JSON, errors."""

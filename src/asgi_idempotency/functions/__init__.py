@@ -1,0 +1,1 @@
+"""The function guard (Once): queue consumers, jobs and agent tools."""

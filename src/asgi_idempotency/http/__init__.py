@@ -1,0 +1,1 @@
+"""HTTP: the middleware, request reading, the responder, fingerprint, policy, principals."""

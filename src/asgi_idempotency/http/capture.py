@@ -1,0 +1,103 @@
+"""The response side: which of a response's headers may be replayed, and sending a
+stored response. Holding the app's response back until it is complete (or streaming
+it) is the :class:`~.responder.Responder`'s.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterable
+
+from asgi_idempotency.http.asgi import Headers, Send, send_response
+from asgi_idempotency.stores.base import StoredResponse
+
+__all__ = ["send_replay", "storable_headers"]
+
+# Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
+# Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
+_UNSTORED = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"date",
+        b"set-cookie",
+    }
+)
+_REPLAYED = (b"idempotent-replayed", b"true")
+
+
+def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
+    """The response headers that may be replayed to a later request with the same key."""
+    kept: list[tuple[bytes, bytes]] = []
+    named: set[bytes] | None = None
+    for header in headers:
+        name = header[0]
+        lowered = name.lower()
+        if lowered in _UNSTORED or lowered.startswith(b"access-control-"):
+            # Access-Control-*: per origin, from CORS middleware that belongs outside the
+            # guard; replayed, one origin's grant would reach another.
+            if lowered == b"connection":  # the headers it names are hop-by-hop too
+                named = named or set()
+                named.update(v.strip().lower() for v in header[1].split(b","))
+            continue
+        kept.append(header if type(header) is tuple else (name, header[1]))
+    if named:
+        return tuple((n, v) for n, v in kept if n.lower() not in named)
+    return tuple(kept)
+
+
+async def send_replay(send: Send, response: StoredResponse, request_headers: Headers) -> None:
+    """The stored response, byte for byte, marked ``Idempotent-Replayed: true``.
+
+    One exception: a body the app compressed for the first request (``Content-Encoding``)
+    is decoded when this request did not accept that coding and it is one the standard
+    library reads (gzip, deflate); the app's own compression is not the retry's choice.
+    """
+    headers, body = response.headers, response.body
+    for name, value in headers:
+        # The first byte first: most names are not "content-encoding" in any case.
+        if name[:1] in b"cC" and name.lower() == b"content-encoding":
+            coding = value.strip().lower()
+            if coding not in (b"", b"identity") and not _accepts(request_headers, coding):
+                decoded = _decode(coding, body)
+                if decoded is not None:
+                    body = decoded
+                    headers = tuple(h for h in headers if h[0].lower() != b"content-encoding")
+            break
+    await send_response(send, response.status, [*headers, _REPLAYED], body)
+
+
+def _accepts(headers: Headers, coding: bytes) -> bool:
+    """Whether ``Accept-Encoding`` admits ``coding`` (RFC 9110 §12.5.3; ``q=0`` refuses)."""
+    for name, value in headers:
+        if name.lower() != b"accept-encoding":
+            continue
+        for item in value.lower().split(b","):
+            token, _, params = item.strip().partition(b";")
+            if token.strip() in (coding, b"*") and params.replace(b" ", b"") not in (
+                b"q=0",
+                b"q=0.0",
+                b"q=0.00",
+                b"q=0.000",
+            ):
+                return True
+    return False
+
+
+def _decode(coding: bytes, body: bytes) -> bytes | None:
+    try:
+        if coding in (b"gzip", b"x-gzip"):
+            return gzip.decompress(body)
+        if coding == b"deflate":
+            return zlib.decompress(body)
+    except (OSError, EOFError, zlib.error):
+        return None  # not what it says it is: sent as stored
+    return None

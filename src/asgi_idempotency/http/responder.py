@@ -1,0 +1,585 @@
+"""One guarded request, from its claim to its answer.
+
+The middleware hands a :class:`Responder` a frozen :class:`GuardedRequest` (key,
+principal, fingerprint, policy, route, body) and the :class:`Runtime` it shares with
+every request. One path runs every mode:
+
+    claim (lifecycle) ─┬─ not ours ─► replay / 409 / 422 (what the app sends is dropped)
+                       └─ ours ─► run the app; at its final body message:
+                                  complete or release, then send
+
+The claim happens before the app runs when the principal is known from the request,
+or, with :func:`~.principals.from_dependency`, when FastAPI has resolved the app's
+auth dependency (:mod:`.fastapi_claim` calls :meth:`Responder.claim_deferred`); until
+then the app's messages pass straight through (a 401 from auth, a validation 422:
+nothing claimed, nothing stored).
+
+The outcome is the response the app sent, the moment its final body message goes
+out: the record is completed from it, then it is sent. What the app does after that
+(BackgroundTasks run inside the same ASGI call) neither delays the answer nor, by
+failing, releases the key. A streamed response (a body message with ``more_body``)
+goes to the client as it is produced, kept on the side up to a limit and stored when
+it ends.
+
+The claim, completion and release are the execution core's (:mod:`.execution`, shared
+with :class:`~.once.Once`); this module captures and replays ASGI messages around them.
+In the default mode the claim and the completion are separate statements on the
+store and the core renews the claim's lease meanwhile. In
+transactional mode they are statements of one store transaction, which the handler
+writes through too: releasing is rolling back, completing is committing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from starlette.exceptions import HTTPException
+
+from asgi_idempotency.core import lifecycle
+from asgi_idempotency.core.errors import (
+    IdempotencyError,
+    KeyMismatch,
+    RequestInProgress,
+    ResponseNotKept,
+    StoreError,
+    StoreUnavailable,
+)
+from asgi_idempotency.core.execution import Execution, Executor
+from asgi_idempotency.core.keys import scope_digest, scoped_key
+from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
+from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
+from asgi_idempotency.http.capture import send_replay, storable_headers
+from asgi_idempotency.http.policy import Policy
+from asgi_idempotency.observability import tracing
+from asgi_idempotency.observability.metrics import Outcome
+from asgi_idempotency.observability.observer import Observer, logger
+from asgi_idempotency.observability.regenerated import RegeneratedKeys
+from asgi_idempotency.stores.base import (
+    Store,
+    StoredResponse,
+    StoreTransaction,
+    TransactionalStore,
+)
+
+__all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
+
+# The scope entry naming the responder of a guarded request: an inner guard (a guarded
+# sub-app mounted in a guarded app) lets such a request through, and the FastAPI claim
+# dependency finds its responder there.
+GUARD_SCOPE_KEY = "asgi_idempotency.http.responder"
+
+# A streamed response is kept on the side up to this size, to be stored when it ends;
+# past it, retries are told the request ran and its response was not kept.
+STREAM_KEEP_LIMIT = 1024 * 1024
+_PATHSEND = "http.response.pathsend"
+
+
+class GuardedRequest(NamedTuple):
+    """What the guard knows of one request once it has been read (frozen)."""
+
+    key: str  # the scoped key: sha256 hex of (host, principal, client key); "" until known
+    principal: str | None  # None until FastAPI resolves it (from_dependency)
+    fingerprint: str
+    policy: Policy
+    route: str
+    body: bytes
+    client_key: str  # as the client sent it, parsed; never logged
+    host: str  # "" when records are not scoped by host
+
+
+class Runtime(Executor):
+    """What every request of one middleware shares: the execution core (the store, the
+    clock, the settings), the app and the regenerated-key detector."""
+
+    __slots__ = ("app", "regenerated")
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: Store,
+        *,
+        clock: Callable[[], datetime],
+        fail_open: bool,
+        retry_after: float,
+        observer: Observer,
+    ) -> None:
+        super().__init__(
+            store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
+        )
+        self.app = app
+        # The opt-in regenerated-key detector (regenerated.py); None costs one check.
+        self.regenerated: RegeneratedKeys | None = None
+
+
+_MISMATCH_DETAIL = (
+    "This Idempotency-Key was already used with a different request "
+    "(method, path, query or body). Use a new key for a new operation."
+)
+_IN_PROGRESS_DETAIL = (
+    "A request with this Idempotency-Key is still being processed; "
+    "retry after the Retry-After interval to get its response."
+)
+_NOT_KEPT_DETAIL = (
+    "The request with this Idempotency-Key was processed once; its response was "
+    "streamed and too large to keep, so it cannot be replayed."
+)
+
+
+class _State(enum.Enum):
+    WAITING = "waiting"  # deferred claim not made yet: the app's messages pass through
+    UNGUARDED = "unguarded"  # fail_open after a store error: pass through
+    OWNED = "owned"  # ours: the app's response is held (or streamed) until it ends
+    FINISHING = "finishing"  # completing or releasing: no release on a late exception
+    DONE = "done"  # answered from the app's response
+    ANSWERED = "answered"  # the guard answered itself: what the app sends is dropped
+
+
+class Responder:
+    """The state of one guarded request."""
+
+    __slots__ = ("chunks", "execution", "kept", "receive", "req", "rt", "scope", "send",
+                 "span", "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
+
+    def __init__(
+        self, rt: Runtime, req: GuardedRequest, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self.rt, self.req = rt, req
+        self.scope, self.receive, self.send = scope, receive, send
+        self.state = _State.WAITING
+        self.token = ""
+        self.tx: StoreTransaction | None = None
+        self.execution: Execution | None = None  # the core's handle of our claim
+        self.start: Message | None = None
+        self.chunks: list[bytes] = []
+        self.kept = 0  # bytes of a streamed response kept so far
+        self.streaming = False
+        self.unread = True  # the buffered request body is still to be given to the app
+        self.span: Any = None  # the request's recording trace span, if any
+
+    async def run(self) -> None:
+        """Claim (unless it waits for FastAPI), run the app, answer; the whole request."""
+        scope = self.scope
+        extensions = scope.get("extensions")
+        if extensions and _PATHSEND in extensions:
+            # A file sent by path would bypass the body we store: the app sends the bytes.
+            scope["extensions"] = {k: v for k, v in extensions.items() if k != _PATHSEND}
+        scope[GUARD_SCOPE_KEY] = self
+        try:
+            await self._run()
+        finally:
+            # The scope holds this responder and it the scope: a cycle only the
+            # collector would free, paid for by every request's p99.
+            scope.pop(GUARD_SCOPE_KEY, None)
+            if self.execution is not None:
+                # However the claim ended (a no-op once it was completed or released).
+                self.rt.settled(self.execution)
+
+    async def _run(self) -> None:
+        if self.req.principal is None:
+            await self._run_app()  # the claim comes from the FastAPI dependency
+            return
+        if not self.req.policy.transactional:
+            if await self._claim(self.rt.store):
+                await self._run_app()
+            return
+        await self._in_transaction(claim=True)
+
+    async def run_unclaimed(self) -> None:
+        """Report-only mode, a transactional route, a request the guard would have refused
+        before claiming (no key, no caller, ...): the app runs as it would unguarded, so its
+        handler gets the transaction it writes through, whose writes alone commit."""
+        self.unread = False  # the middleware hands over ``receive`` as the app is to read it
+        await self._in_transaction(claim=False)
+
+    async def _in_transaction(self, *, claim: bool) -> None:
+        store = self.rt.store
+        assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+        tx: StoreTransaction | None = None
+        try:
+            async with store.transaction() as tx:
+                self.tx = tx
+                if not claim:
+                    self._hand_transaction()
+                    await self._run_app()
+                elif await self._claim(tx) and self.state is not _State.UNGUARDED:
+                    await self._run_app()
+        except StoreError as exc:
+            if tx is not None:
+                raise  # not from opening the transaction: answered where it arose
+            if claim:
+                await self._unavailable(exc, "claim")
+            else:
+                self.rt.observer.store_error(self.req.route, "", "transaction", exc)
+                self.state = _State.UNGUARDED
+            if self.state is _State.UNGUARDED:  # fail_open, report mode
+                await self._run_app()  # no transaction to hand the handler
+            return
+        if self.state is not _State.UNGUARDED:
+            return
+        # The claim failed and the request runs unguarded (fail_open, report mode), not
+        # in the transaction the failure may have broken. In report mode the handler
+        # gets a fresh one if the store gives it one, as it would have without a fault.
+        self.tx = None
+        if self.req.policy.mode == "report":
+            await self._in_transaction(claim=False)
+        else:
+            await self._run_app()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this request waits for FastAPI to name its caller before it claims."""
+        return self.state is _State.WAITING and self.req.principal is None
+
+    async def refuse(self, exc: IdempotencyError) -> bool:
+        """Answer with ``exc`` instead of claiming (the caller could not be identified);
+        whether the endpoint may run all the same (report-only mode: the app answers)."""
+        observer, route = self.rt.observer, self.req.route
+        observer.outcome(route, Outcome.UNIDENTIFIED)
+        observer.refused(route, exc)
+        if self.req.policy.mode == "report":
+            observer.report(route, "", exc.status)
+            self.state = _State.UNGUARDED
+            return True
+        self.state = _State.ANSWERED
+        await exc.send(self.send)
+        return False
+
+    async def claim_deferred(self, principal: str) -> bool:
+        """Claim now that FastAPI has named the caller: whether the endpoint may run.
+
+        ``False`` once the guard has answered (replay, 409, 422, 503): the caller stops
+        the endpoint, and whatever the app sends next is dropped.
+        """
+        if self.state is not _State.WAITING:
+            return self.state is not _State.ANSWERED
+        req = self.req
+        self.req = req._replace(
+            principal=principal, key=scoped_key(principal, req.client_key, req.host)
+        )
+        return await self._claim(self.rt.store)
+
+    async def endpoint_skipped(self) -> None:
+        """FastAPI refused the request after the claim (validation): release, store nothing."""
+        if self.state is not _State.OWNED:
+            return
+        self.state = _State.WAITING  # its answer (the 422) passes through
+        self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
+        assert self.execution is not None  # owned: claimed by claim_deferred
+        await self.rt.release(self.execution)
+
+    def _log(self, level: int, event: str, **fields: Any) -> None:
+        self.rt.observer.log(level, event, self.req.route, self.req.key, **fields)
+
+    async def _claim(self, claimant: lifecycle.Claimant) -> bool:
+        """Claim the key; ``True`` if the app is to run, else the request is answered."""
+        rt, req = self.rt, self.req
+        policy = req.policy
+        otel = tracing.trace  # inlined tracing.live(): a global read when no tracer is set
+        span = self.span = (
+            tracing.recording() if otel is not None and otel._TRACER_PROVIDER is not None else None
+        )
+        if span is not None:
+            tracing.annotate(span, key_digest=req.key[:16], mode=policy.mode)
+        try:
+            execution = await rt.claim(
+                claimant, req.key, req.fingerprint, req.route, policy, span=span,
+                transaction=self.tx is not None,
+                # Report-only mode answers what it finds at once, as without the guard.
+                wait=None if policy.mode == "report" else policy.wait,
+                # For the audit, on every guarded request: digests and the template only.
+                scope=scope_digest(req.principal or "", req.host),
+            )  # fmt: skip
+        except StoreError as exc:
+            await self._unavailable(exc, "claim")
+            return self.state is _State.UNGUARDED
+        claim = execution.claim
+        if not claim.owned:
+            if policy.mode == "report":
+                self._report_existing(claim)
+                if self.tx is None:
+                    self.state = _State.UNGUARDED  # the app runs; its own answer goes out
+                else:
+                    # The handler writes through the transaction as when the claim is
+                    # ours, and its writes commit alone: no token, so no record is ours.
+                    self._hand_transaction()
+                return True
+            self.state = _State.ANSWERED
+            await self._answer_existing(execution)
+            return False
+        if rt.regenerated is not None:
+            try:
+                await self._check_regenerated(claimant, execution.now)
+            except asyncio.CancelledError:
+                # The claim is this request's and nothing ran for it: release it now
+                # (token-fenced) rather than leave the key to answer 409 for a lease. A
+                # transaction's claim rolls back with it.
+                if self.tx is None:
+                    rt.release_later(execution)
+                raise
+        self.token, self.state, self.execution = execution.token, _State.OWNED, execution
+        if self.tx is not None:
+            self._hand_transaction()
+        return True
+
+    def _hand_transaction(self) -> None:
+        """The app runs in the transaction (``request.state.idempotency``); its response
+        is held until it ends, to commit or roll back first. ``token`` stays empty when
+        the transaction holds no claim of this request's (report-only mode)."""
+        assert self.tx is not None
+        self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+        self.state = _State.OWNED
+
+    async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
+        """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
+        before the handler runs. Its failure is logged and the request goes on: a
+        detector must never turn a request the guard would run into an error."""
+        rt, req = self.rt, self.req
+        assert rt.regenerated is not None
+        assert req.principal is not None  # claimed: the caller is known
+        checking = rt.regenerated.check(
+            claimant, host=req.host, principal=req.principal, fingerprint=req.fingerprint,
+            key=req.key, now=now,
+        )  # fmt: skip
+        try:
+            with rt.observer.store_call("mark", self.span):
+                other = await checking
+        except StoreError as exc:
+            self._log(logging.WARNING, "idempotency.regenerated_check_failed",
+                      error=type(exc).__name__)  # fmt: skip
+            return
+        if other is not None:
+            rt.observer.regenerated_key(req.route, req.key, other)
+
+    def _stop_renewal(self) -> None:
+        if self.execution is not None:
+            self.rt.stop(self.execution)
+
+    async def _run_app(self) -> None:
+        try:
+            await self.rt.app(self.scope, self.app_receive, self.app_send)
+        except asyncio.CancelledError:
+            # Cancelled part-way: the effect may or may not have happened. By default
+            # the claim stays in progress until its lease ends rather than inviting a
+            # rerun; in a transaction, closing it rolls back the claim and the writes.
+            if self.state is _State.OWNED and self.execution is not None and self.tx is None:
+                self.rt.abandon(self.execution)
+            raise
+        except GuardAnswered:
+            if self.state is not _State.ANSWERED:
+                raise
+            return  # the guard answered; the app let the marker through its handlers
+        except BaseException:
+            if self.state is _State.OWNED:
+                self._stop_renewal()
+                await self._release()
+            raise
+        state = self.state
+        if state is _State.OWNED:
+            if self.start is None:
+                # As if the app had raised: a retry may run it again.
+                self._stop_renewal()
+                await self._release()
+                raise RuntimeError("the application returned without sending a response")
+            # Returned without a final body message: end the response here.
+            end = {"type": "http.response.body", "body": b"", "more_body": False}
+            await self._finish(end if self.streaming else None)
+        elif state is _State.WAITING and self.req.principal is None:
+            self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
+
+    async def app_receive(self) -> Message:
+        # The buffered body once, then the server's own messages (http.disconnect).
+        if self.unread:
+            self.unread = False
+            return {"type": "http.request", "body": self.req.body, "more_body": False}
+        return await self.receive()
+
+    async def app_send(self, message: Message) -> None:
+        state = self.state
+        if state is not _State.OWNED:
+            if state is _State.WAITING or state is _State.UNGUARDED:
+                await self.send(message)
+            return  # answered by the guard, or after the final body: dropped
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.start = message
+            return
+        if kind != "http.response.body":
+            return  # trailers and extensions are not part of what is replayed
+        body: bytes = message.get("body", b"")
+        if message.get("more_body", False):
+            if not self.streaming:
+                # A stream: it goes to the client as it is produced, never held back.
+                self.streaming = True
+                assert self.start is not None
+                await self.send(self.start)
+            self._keep(body)
+            await self.send(message)
+            return
+        self._keep(body)
+        await self._finish(message if self.streaming else None)
+
+    def _keep(self, body: bytes) -> None:
+        if not body:
+            return
+        if self.streaming:
+            self.kept += len(body)
+            if self.kept > STREAM_KEEP_LIMIT:
+                self.chunks.clear()  # too large to store: only its size is known now
+                return
+        self.chunks.append(body)
+
+    async def _finish(self, last: Message | None) -> None:
+        """Complete or release from the app's response, then send what is left of it.
+
+        ``last`` is a stream's final body message (its start and earlier chunks were
+        sent as they came); ``None`` when the whole response is still held here.
+        """
+        self.state = _State.FINISHING
+        self._stop_renewal()
+        start = self.start
+        assert start is not None
+        status: int = start["status"]
+        content = b"".join(self.chunks)
+        if not lifecycle.completes(status):
+            await self._release()
+        elif not self.token:
+            # Report-only mode in a transaction holding no claim of ours: the handler's
+            # writes commit alone, as they would have without the guard.
+            assert self.tx is not None
+            if not await self._commit(self.tx, None, None):
+                self.state = _State.DONE
+                return
+        else:
+            if self.kept > STREAM_KEEP_LIMIT:
+                problem = ResponseNotKept(_NOT_KEPT_DETAIL)
+                stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
+            else:
+                stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
+            if self.tx is None:
+                await self._complete(stored)
+            elif not await self._commit(self.tx, stored, self.rt.clock() + self.req.policy.ttl):
+                self.state = _State.DONE
+                return
+            self.rt.observer.outcome(self.req.route, Outcome.EXECUTED)
+        self.state = _State.DONE
+        send = self.send
+        if last is not None:
+            await send(last)
+            return
+        await send(start)
+        await send({"type": "http.response.body", "body": content, "more_body": False})
+
+    async def _complete(self, stored: StoredResponse) -> None:
+        # The effect happened: a store that fails to record it gets the completion
+        # again in the background, for the lease's life (README: guarantees); the
+        # client gets the true response now either way.
+        assert self.execution is not None
+        await self.rt.complete(self.execution, stored, span=self.span)
+
+    async def _commit(
+        self, tx: StoreTransaction, stored: StoredResponse | None, now: datetime | None
+    ) -> bool:
+        """Commit the handler's writes with the record (``stored``), or alone (``None``)."""
+        key = self.req.key
+        try:
+            if stored is None:
+                await self.rt.shielded(tx.commit_writes())
+            else:
+                assert now is not None
+                ttl = self.req.policy.ttl
+                await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
+        except StoreError as exc:
+            # Nothing is recorded and the writes rolled back, or the commit's answer was
+            # lost; either way the same key retried replays or runs exactly once.
+            unavailable = Outcome.STORE_UNAVAILABLE
+            observer = self.rt.observer
+            observer.store_error(self.req.route, key, "commit", exc, outcome=unavailable.value)
+            observer.outcome(self.req.route, unavailable)
+            await StoreUnavailable(
+                "The request's changes could not be committed; retry with the same "
+                "Idempotency-Key.",
+                retry_after=self.rt.retry_after,
+            ).send(self.send)
+            return False
+        return True
+
+    async def _release(self) -> None:
+        if self.token:  # else report-only mode, no claim of ours: its outcome is counted
+            self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
+        if self.tx is not None:
+            return  # the transaction closes uncommitted: the claim rolls back with the writes
+        assert self.execution is not None  # owned, not in a transaction
+        await self.rt.release(self.execution, span=self.span)
+
+    async def _unavailable(self, exc: StoreError, phase: str) -> None:
+        rt = self.rt
+        unavailable = Outcome.STORE_UNAVAILABLE
+        rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
+        rt.observer.outcome(self.req.route, unavailable)
+        if self.req.policy.mode == "report":
+            rt.observer.report(self.req.route, self.req.key, StoreUnavailable.status)
+        if rt.fail_open or self.req.policy.mode == "report":
+            self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
+            return
+        self.state = _State.ANSWERED
+        await StoreUnavailable(
+            "The idempotency store is unavailable and the request was not processed; "
+            "retry with the same Idempotency-Key.",
+            retry_after=rt.retry_after,
+        ).send(self.send)
+
+    def _report_existing(self, claim: Claim) -> None:
+        """Report-only mode: count and log what :meth:`_answer_existing` would have sent."""
+        record = claim.record
+        if claim.outcome is ClaimOutcome.COMPLETED:
+            assert record is not None
+            assert record.response is not None
+            outcome, status = Outcome.REPLAYED, record.response.status
+        elif claim.outcome is ClaimOutcome.MISMATCH:
+            outcome, status = Outcome.MISMATCH, KeyMismatch.status
+        else:
+            outcome, status = Outcome.IN_PROGRESS, RequestInProgress.status
+        self.rt.observer.outcome(self.req.route, outcome)
+        self.rt.observer.report(self.req.route, self.req.key, status, outcome=outcome.value)
+
+    async def _answer_existing(self, execution: Execution) -> None:
+        claim = execution.claim
+        record, route = claim.record, self.req.route
+        observer = self.rt.observer
+        if claim.outcome is ClaimOutcome.COMPLETED:
+            assert record is not None
+            assert record.response is not None
+            # Checked here as well as in Observer.log: the keywords are not even built
+            # when nobody listens at INFO, as is usual for every replay.
+            if logger.isEnabledFor(logging.INFO):
+                self._log(
+                    logging.INFO, "idempotency.replay", status=record.response.status,
+                    outcome=Outcome.REPLAYED.value,
+                )  # fmt: skip
+            observer.outcome(route, Outcome.REPLAYED)
+            await send_replay(self.send, record.response, self.scope["headers"])
+        elif claim.outcome is ClaimOutcome.MISMATCH:
+            if logger.isEnabledFor(logging.INFO):
+                self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
+            observer.outcome(route, Outcome.MISMATCH)
+            await KeyMismatch(_MISMATCH_DETAIL).send(self.send)
+        else:
+            wait = self.rt.in_progress_wait(execution)
+            observer.outcome(route, Outcome.IN_PROGRESS)
+            await RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait).send(self.send)
+
+
+class GuardAnswered(HTTPException):
+    """Stops the endpoint once the guard has answered itself (replay, 409, 422, 503).
+
+    An ``HTTPException``, so the app's own exception handling turns it into a response
+    quietly (no 500, no traceback in the server log); that response is dropped.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(status_code=409, detail="answered by the idempotency guard")

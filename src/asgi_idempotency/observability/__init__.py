@@ -1,0 +1,1 @@
+"""What the guard tells operators: outcomes, metrics, Prometheus, traces, log events."""

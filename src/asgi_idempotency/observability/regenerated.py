@@ -1,0 +1,88 @@
+"""An opt-in detector for clients that mint a new key inside their retry loop.
+
+The same caller (host and principal) sending the same request (fingerprint) under
+another key within a short window is counted (``suspected_regenerated_keys``) and
+logged with both key digests: a suspicion, not a verdict. The lookup is a short-lived
+marker row written through the store's own atomic ``insert``, so every worker sees it;
+each marker has its own token (:data:`MARKER_TOKEN` and 16 random hex digits); a failed
+marker write is logged and never fails the request. How it works and what it
+costs: docs/operations.md ("Keys minted inside a retry loop").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from asgi_idempotency.core.lifecycle import RecordState, state_of
+from asgi_idempotency.stores.base import BUSY, NewClaim
+
+if TYPE_CHECKING:
+    from asgi_idempotency.core.lifecycle import Claimant
+
+__all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
+
+# How every marker row's token starts, naming markers for a reader of the table. The
+# rest is drawn per marker: markers are never completed, renewed or released, but a
+# store may answer an insert that meets a row with its own token as inserted (its first
+# attempt landed: RedisStore, the batching Postgres store), so a token shared by all
+# markers made every sighting a "first" there, and nothing was ever flagged.
+MARKER_TOKEN = "regenerated-key-"  # 16 characters, and 16 hex digits: the column's 32
+
+
+def marker_key(host: str, principal: str, fingerprint: str) -> str:
+    """The marker's record key: SHA-256 of (host, principal, fingerprint), length-prefixed.
+
+    Its material starts with ``r``, where a request's scoped key starts with a digit or
+    ``h`` and a function's with ``o`` (:func:`.keys.scoped_key`, :func:`.once.record_key`),
+    so a marker can never sit on a record's key, whatever the inputs.
+    """
+    material = f"r{len(host)}:{host}\x00{len(principal)}:{principal}\x00{fingerprint}"
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+class RegeneratedKeys:
+    """Looks up, in the shared store, whether this caller sent this request under another key."""
+
+    __slots__ = ("window",)
+
+    def __init__(self, window: timedelta) -> None:
+        if not isinstance(window, timedelta) or window <= timedelta(0):
+            raise ValueError(f"the regenerated-key window must be a positive timedelta: {window!r}")
+        self.window = window
+
+    async def check(
+        self,
+        store: Claimant,
+        *,
+        host: str,
+        principal: str,
+        fingerprint: str,
+        key: str,
+        now: datetime,
+    ) -> str | None:
+        """The other scoped key this caller sent this request under within the window, if any.
+
+        One ``insert`` on ``store``; a ``replace`` too when the marker found is past its
+        window. ``key`` is the request's scoped key (a digest).
+
+        Raises:
+            StoreError: the store failed (the caller logs it and goes on).
+        """
+        window = self.window
+        token = MARKER_TOKEN + os.urandom(8).hex()
+        marker = NewClaim(marker_key(host, principal, fingerprint), key, token, now,
+                          window, window)  # fmt: skip
+        found = await store.insert(marker)
+        if found is None or found is BUSY:
+            # The first sighting; or, in a transaction, another one holds the marker's
+            # lock right now (a concurrent twin: missed, the count is a lower bound).
+            return None
+        if state_of(found, now) is RecordState.EXPIRED:
+            # A sighting from before the window: this one starts a new window. Losing the
+            # swap to a concurrent request means that one restarted it: nothing to add.
+            await store.replace(found, marker)
+            return None
+        return found.request_hash if found.request_hash != key else None

@@ -1,0 +1,592 @@
+"""Postgres: the asyncpg hot path on connections kept from SQLAlchemy's pool, and transactions.
+
+The hot path checks a connection out per statement (asyncpg runs one statement at a
+time per connection) and runs the statements of :mod:`.statements` as prepared
+statements in autocommit: one statement, one round trip, no BEGIN/COMMIT around it.
+Transactional mode opens one SQLAlchemy connection per request instead and runs the
+claim (with the key's advisory lock), the handler's writes and the completion in one
+transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal, TypeVar
+
+import asyncpg
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.pool import PoolProxiedConnection
+
+# greenlet_spawn: the same bridge AsyncEngine.raw_connection() uses. Returning a
+# connection to the pool may do I/O (closing an overflow connection), which the
+# async pool runs through it; without it there is no public async check-in.
+from sqlalchemy.util import greenlet_spawn
+
+from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
+from asgi_idempotency.stores.codec import encode_headers, pg_time, to_record
+from asgi_idempotency.stores.sql.dialect import (
+    HotPath,
+    HotPathOptions,
+    SQLDialect,
+    leave_engine,
+    pool_options,
+)
+from asgi_idempotency.stores.sql.errors import PG_ERRORS, ErrorBoundary
+from asgi_idempotency.stores.sql.queries import prune_by_ctid
+from asgi_idempotency.stores.sql.schema import create_tables
+from asgi_idempotency.stores.sql.statements import CLAIM_LOCKED, COMPLETE, PG, PG_CLOCK, REPLACE
+
+__all__ = [
+    "DIALECT",
+    "IdempotencyTransaction",
+    "PostgresDriver",
+    "PostgresTransaction",
+    "claimed_row",
+    "open_transaction",
+    "own_claim",
+    "statement_timeout_ms",
+]
+
+T = TypeVar("T")
+
+# A claim in a transaction asks again only when a rival committed inside its statement;
+# under the key's lock that settles at the second attempt unless writers that take no
+# lock (default-mode claims of the same scoped key) keep racing it.
+_INSERT_ATTEMPTS = 3
+
+
+def _gone(fairy: PoolProxiedConnection) -> bool:
+    """Whether asyncpg knows the connection closed (it read the server's end): no I/O."""
+    driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+    return driver.is_closed()
+
+
+class _NoConnection(Exception):
+    """A hot-path statement waited ``command_timeout`` for a connection in vain."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_NoConnection())
+
+
+class PostgresDriver:
+    """asyncpg connections from SQLAlchemy's pool, kept by the hot path between statements.
+
+    Up to ``limit`` connections stay checked out of SQLAlchemy's pool, idle in a
+    stack of our own between statements: taking one back costs no greenlet hop and
+    no pool wait, which was most of what a one-statement request paid for its
+    checkout (and asyncpg's prepared statements stay warm). Past ``limit`` a
+    statement waits, first come first served, for one to be handed back, up to
+    ``timeout`` seconds. The rest of SQLAlchemy's pool stays free for transactional
+    requests, ``get``, ``prune`` and the application's Core work. A connection that
+    breaks takes every idle one with it, as SQLAlchemy's pool does on a disconnect:
+    they share the cause, and each would otherwise fail one more request.
+    """
+
+    # The driver's error boundary: a subclass keeping another driver's connections
+    # (MariaDB/MySQL's) names its own.
+    errors: ErrorBoundary = PG_ERRORS
+
+    def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
+        self._engine = engine
+        self._limit = max(1, limit)
+        self._timeout = timeout
+        self._held = 0  # checked out of SQLAlchemy's pool by us: idle or in use
+        self._idle: list[PoolProxiedConnection] = []
+        # FIFO waiters; a waiter is handed a connection, or None: "open a new one".
+        self._waiters: deque[asyncio.Future[PoolProxiedConnection | None]] = deque()
+        self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def _open(self) -> PoolProxiedConnection:
+        self._held += 1
+        try:
+            return await self._engine.raw_connection()
+        except BaseException as exc:
+            self._release_slot()
+            if isinstance(exc, self.errors.errors):
+                raise self.errors.translate(exc) from exc
+            raise
+
+    def _release_slot(self) -> None:
+        """One connection fewer is held: the longest waiter may open a new one."""
+        self._held -= 1
+        self._wake(None)
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        while self._idle:
+            idle = self._idle.pop()
+            if not self._gone(idle):
+                return idle
+            # The server closed it while it was idle (idle_session_timeout, a restart,
+            # pg_terminate_backend, a pooler): asyncpg has read its end, so it would only
+            # fail the statement given to it. Drop it and take the next.
+            idle.invalidate()
+            self._close_soon(idle)
+            self._held -= 1  # no waiter to wake: they are handed connections before idle
+        if self._held < self._limit:
+            return await self._open()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[PoolProxiedConnection | None] = loop.create_future()
+        self._waiters.append(waiter)
+        # A timer on the future rather than asyncio.timeout(): no cancellation of this
+        # task to set up and undo, on a path every request takes when the pool is busy.
+        timer = loop.call_later(self._timeout, _expire, waiter)
+        try:
+            fairy = await waiter
+        except BaseException as exc:
+            # Timed out or cancelled: pass on what was handed over in the same moment
+            # (a connection or a free slot), or it would be lost to every later waiter.
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                handed = waiter.result()
+                if handed is None:
+                    self._wake(None)
+                else:
+                    self._checkin(handed)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            if isinstance(exc, _NoConnection):
+                raise StoreError(f"no connection free within {self._timeout}s") from None
+            raise
+        finally:
+            timer.cancel()
+        return fairy if fairy is not None else await self._open()
+
+    def _gone(self, fairy: PoolProxiedConnection) -> bool:
+        """Whether the driver knows the connection closed (it read the server's end)."""
+        return _gone(fairy)
+
+    def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(fairy)
+                return True
+        return False
+
+    def _checkin(self, fairy: PoolProxiedConnection) -> None:
+        if self._closed:
+            self._held -= 1
+            self._close_soon(fairy)
+        elif not self._wake(fairy):
+            self._idle.append(fairy)
+
+    def _close_soon(self, fairy: PoolProxiedConnection) -> None:
+        # Returning a connection to SQLAlchemy's pool needs an await; where the caller
+        # cannot wait (cancelled, or a sync path) it happens in a task of its own.
+        task = asyncio.ensure_future(greenlet_spawn(fairy.close))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _discard(self, fairy: PoolProxiedConnection, broken: BaseException) -> None:
+        victims = [fairy, *self._idle]
+        self._idle.clear()
+        for victim in victims:
+            # Invalidate outside the greenlet: asyncpg is then terminated at once rather
+            # than closed gracefully, which could keep a 503 waiting on a dead socket.
+            victim.invalidate(broken)
+            await greenlet_spawn(victim.close)
+            self._release_slot()  # each freed slot lets one waiter connect afresh
+
+    async def _run(self, op: Callable[[Any], Awaitable[T]]) -> T:
+        fairy = await self._checkout()
+        driver: asyncpg.Connection = fairy.driver_connection  # type: ignore[assignment]  # None only once closed
+        try:
+            result = await op(driver)
+        except PG_ERRORS.errors as exc:
+            if driver.is_closed() or PG_ERRORS.breaks(exc):
+                await self._discard(fairy, exc)
+            else:
+                self._checkin(fairy)
+            raise PG_ERRORS.translate(exc) from exc
+        except BaseException:
+            # Cancelled mid-statement: the connection's state is unknown; drop it.
+            fairy.invalidate()
+            self._close_soon(fairy)
+            self._release_slot()
+            raise
+        self._checkin(fairy)
+        return result
+
+    async def _send(
+        self, op: Callable[[Any], Awaitable[T]], again: Callable[[Any], Awaitable[T]] | None = None
+    ) -> T:
+        """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
+        if that one broke.
+
+        A connection the server closed while it was idle is skipped at checkout when
+        the driver has read its end, but one can break under a statement (ended a
+        moment before, read out of turn, or cut on the way): then the statement's fate
+        is unknown, and every hot-path statement may run twice. Completions, releases
+        and renewals are fenced by their claim's token (a second run changes nothing a
+        first that landed had not; ``again`` asks whether the first landed where the
+        second's answer would not say so), and a claim that meets its own row is
+        answered as inserted (:func:`own_claim`). A timeout is not sent again: the
+        server was slow, not gone, and a second wait would double the client's.
+        """
+        try:
+            return await self._run(op)
+        except StoreError as exc:
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, TimeoutError) or not self.errors.breaks(cause):
+                raise
+        return await self._run(op if again is None else again)
+
+    async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
+        """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible)."""
+        args = PG["claim"].args(values)
+        row = await self._send(lambda c: c.fetchrow(PG["claim"].sql, *args))
+        assert row is not None  # the LEFT JOIN always yields one row
+        if row[1]:
+            return True, None
+        return own_claim(values, None if row[2] is None else tuple(row)[2:])
+
+    async def rowcount(self, name: str, values: dict[str, Any]) -> int:
+        stmt = PG[name]
+        args = stmt.args(values)
+        select = PG["select"]
+
+        async def op(c: asyncpg.Connection) -> int:
+            status: str = await c.execute(stmt.sql, *args)
+            return int(status.rpartition(" ")[2])  # "UPDATE 1", "DELETE 0"
+
+        async def again(c: asyncpg.Connection) -> int:
+            count = await op(c)
+            if count or name not in LANDED:
+                return count
+            row = await c.fetchrow(select.sql, *select.args({"key": values["where_key"]}))
+            return int(row is not None and LANDED[name](values, tuple(row)))
+
+        return await self._send(op, again)
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for fairy in idle:
+            self._held -= 1
+            await greenlet_spawn(fairy.close)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+_US = timedelta(microseconds=1)
+_IN_PROGRESS = RecordStatus.IN_PROGRESS.value
+
+
+def claimed_row(values: dict[str, Any], at: datetime) -> tuple[Any, ...]:
+    """The row a claim inserted at the database's time ``at``, as ``RECORD_COLUMNS``
+    and the time it was read at: in progress, no response."""
+    return (
+        values["request_hash"], _IN_PROGRESS, values["token"], at,
+        at + values["lease_us"] * _US, at + values["ttl_us"] * _US, None, None, None, at,
+    )  # fmt: skip
+
+
+def _is_own(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # Exactly what this claim writes: its token, its fingerprint, its lease and its
+    # retention (measured from its created_at: the database's clock wrote them), in
+    # progress with no response (a token alone would not do: the regenerated-key
+    # detector's markers all share one).
+    return bool(
+        row[2] == values["token"]
+        and row[0] == values["request_hash"]
+        and row[1] == _IN_PROGRESS
+        and row[6] is None
+        and (row[4] - row[3]) // _US == values["lease_us"]
+        and (row[5] - row[3]) // _US == values["ttl_us"]
+    )
+
+
+def own_claim(
+    values: dict[str, Any], row: Sequence[Any] | None
+) -> tuple[bool, Sequence[Any] | None]:
+    """The answer for a claim that met ``row``: inserted if it is this claim's own.
+
+    A claim sent twice (its connection broke under the first, which had committed:
+    :meth:`PostgresDriver._send`) meets the row it inserted; anything else is a row in
+    the way (None: not visible).
+    """
+    if row is not None and _is_own(values, row):
+        return True, None
+    return False, row
+
+
+def _completed_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # Completed under this claim's token: only its owner completes with it, so the
+    # first attempt landed. Not a lost claim.
+    return bool(row[2] == values["where_token"] and row[1] == RecordStatus.COMPLETED.value)
+
+
+def _replaced_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
+    # The take-over's first attempt swapped the row for exactly this claim's.
+    return _is_own(values, row)
+
+
+# For a fenced statement sent again that changed nothing: whether the row (read by key)
+# shows that its first attempt landed. A release or renewal sent again answers as its
+# first would have (a renewal matches again, a release finds nothing: its claim is gone
+# either way).
+LANDED: dict[str, Callable[[dict[str, Any], Sequence[Any]], bool]] = {
+    "complete": _completed_by_us,
+    "replace": _replaced_by_us,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyTransaction:
+    """What a transactional handler writes through: one connection, one transaction.
+
+    ``session`` is bound to ``connection``; its ``commit()`` does not end the outer
+    transaction (the middleware commits it, with the record, after the handler).
+    """
+
+    connection: AsyncConnection
+    session: AsyncSession
+
+
+class PostgresTransaction:
+    """One request's transaction: the claim under the key's advisory lock, then the record.
+
+    Round trips for a first request: BEGIN, claim (lock included), the handler's own
+    statements, complete, COMMIT. Replays, 409s and 422s: BEGIN, claim, ROLLBACK (in
+    report-only mode the handler runs there too, and its writes commit alone). A claim
+    whose statement met a rival's commit asks once more.
+    """
+
+    __slots__ = ("_closing", "_conn", "_engine", "_sent", "state")
+
+    def __init__(
+        self, engine: AsyncEngine, conn: AsyncConnection, closing: set[asyncio.Task[Any]]
+    ) -> None:
+        self._engine = engine
+        self._closing = closing
+        self._sent = False  # whether a statement of the transaction was sent on _conn
+        self._conn = conn
+        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+
+    async def _claim(self, values: dict[str, Any]) -> Sequence[Any]:
+        """The claim statement; as the transaction's first, once more on a fresh
+        connection if the pool's turned out to be broken.
+
+        The pool's connections are taken unpinged (no round trip), so one the server
+        closed while it was idle is found out by the first statement sent on it. That
+        one is safe to send again: its transaction never committed (its BEGIN rides
+        with it), and the handler has not run. Never later: the handler may have.
+        """
+        first, self._sent = not self._sent, True
+        try:
+            row: Sequence[Any] = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+            return row
+        except PG_ERRORS.errors as exc:
+            if not first or not PG_ERRORS.breaks(exc):
+                raise PG_ERRORS.translate(exc) from exc
+            broken = exc
+        # Invalidated outside a greenlet, as the hot path does: asyncpg is terminated at
+        # once rather than closed gracefully, which could wait on a dead socket.
+        dead = self._conn
+        if dead.sync_connection is not None:
+            dead.sync_connection.invalidate(broken)
+        del broken  # its traceback holds this frame: no cycle left behind
+        await _close(dead, self._closing)
+        self._conn = await _begin(self._engine, self._closing)
+        self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
+        with PG_ERRORS:
+            row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
+        return row
+
+    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
+        values = _claim_values(new)
+        values["key"] = new.key
+        for _ in range(_INSERT_ATTEMPTS):
+            row = await self._claim(values)
+            if not row[0]:
+                return BUSY
+            if row[1]:
+                return None
+            if row[2] is not None:
+                return to_record(new.key, tuple(row)[2:])
+            # Not inserted, yet no row read: a rival's claim committed after this
+            # statement's snapshot, before its insert met the key (the lock is taken
+            # after the snapshot too). Ask again: the next statement's snapshot follows
+            # that commit, and the lock now held keeps every transactional claimant out.
+        raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")
+
+    async def replace(self, expected: Record, new: NewClaim) -> bool:
+        # A compare-and-swap even under the key's lock: ``expected`` was read in the
+        # claim statement's snapshot, which may predate a rival's take-over that
+        # committed before this transaction won the lock. The swap then fails and the
+        # lifecycle claims again, in a snapshot that sees the rival's row.
+        values = _claim_values(new)
+        values["where_key"] = new.key
+        values["old_token"] = expected.token
+        values["old_status"] = expected.status.value
+        values["old_locked_until"] = expected.locked_until
+        with PG_ERRORS:
+            result = await self._conn.execute(REPLACE, values)
+        return bool(result.rowcount)
+
+    async def commit(
+        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
+    ) -> None:
+        values = {
+            "where_key": key,
+            "where_token": token,
+            "ttl_us": ttl // _US,
+            "response_status": response.status,
+            "response_headers": encode_headers(response.headers),
+            "response_body": response.body,
+        }
+        with PG_ERRORS:
+            await self.state.session.flush()
+            completed = (await self._conn.execute(COMPLETE, values)).rowcount
+            if completed != 1:
+                # The row is not this claim's (another token's, or gone): the claim was
+                # answered wrongly, and another run of the handler owns the key. Its
+                # writes must not land beside that run's; the retry replays its answer.
+                await self._conn.rollback()
+                raise StoreError("the record is not this transaction's claim; rolled back")
+            await self._conn.commit()
+
+    async def commit_writes(self) -> None:
+        with PG_ERRORS:
+            await self.state.session.flush()
+            await self._conn.commit()
+
+
+def _claim_values(new: NewClaim) -> dict[str, Any]:
+    """A claim's parameters: the lease and retention as durations, for the database's clock."""
+    return {
+        "request_hash": new.request_hash,
+        "token": new.token,
+        "lease_us": new.lease // _US,
+        "ttl_us": new.ttl // _US,
+        "scope_digest": new.scope_digest,
+        "route": new.route,
+    }
+
+
+@asynccontextmanager
+async def open_transaction(
+    engine: AsyncEngine, closing: set[asyncio.Task[Any]]
+) -> AsyncIterator[PostgresTransaction]:
+    """A connection in a transaction; closing it (even when cancelled) rolls back what
+    was not committed and returns the connection to the pool."""
+    tx = PostgresTransaction(engine, await _begin(engine, closing), closing)
+    try:
+        yield tx
+    finally:
+        await _close(tx._conn, closing)
+
+
+async def _begin(engine: AsyncEngine, closing: set[asyncio.Task[Any]]) -> AsyncConnection:
+    """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
+    while True:
+        with PG_ERRORS:
+            conn = await engine.connect()
+        # One the server closed while it was idle, and asyncpg has read its end, would
+        # only fail the claim: skipped for the next, as the hot path's checkout does.
+        # Each one skipped is invalidated, so it connects afresh when next taken.
+        assert conn.sync_connection is not None  # set until the connection is closed
+        if not _gone(conn.sync_connection.connection):
+            break
+        conn.sync_connection.invalidate()
+        await _close(conn, closing)
+    try:
+        with PG_ERRORS:
+            await conn.begin()
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def _close(conn: AsyncConnection, closing: set[asyncio.Task[Any]]) -> None:
+    """Roll back what was not committed and return ``conn`` to the pool, even when
+    cancelled (in a task of its own, which the store's close waits for)."""
+    task = asyncio.ensure_future(conn.close())
+    closing.add(task)
+    task.add_done_callback(closing.discard)
+    await asyncio.shield(task)
+
+
+# Serialises concurrent create_all calls on one database (a transaction-scoped lock).
+_SCHEMA_LOCK = text("SELECT pg_advisory_xact_lock(hashtext('asgi_idempotency.schema'))")
+
+
+async def _create_schema(
+    engine: AsyncEngine, autocommit: AsyncEngine, command_timeout: float
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(_SCHEMA_LOCK)
+        await conn.run_sync(create_tables)
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    if options.batching:
+        from asgi_idempotency.stores.sql.postgres_batched import (
+            BatchingPostgresDriver,  # it builds on this module
+        )
+
+        return BatchingPostgresDriver(
+            engine, limit=options.limit, timeout=options.timeout, max_batch=options.max_batch
+        )
+    return PostgresDriver(engine, limit=options.limit, timeout=options.timeout)
+
+
+# How much sooner than the client the server gives up on a statement: at most a second,
+# a fifth of command_timeout when that is shorter (see statement_timeout_ms).
+_SERVER_GIVES_UP_SOONER = 1.0
+
+
+def statement_timeout_ms(command_timeout: float) -> int:
+    """The server's ``statement_timeout`` (ms) for a store's ``command_timeout`` (s).
+
+    When asyncpg's ``command_timeout`` fires, the store answers 503 at once, but the
+    statement stops only when the cancel request asyncpg sends on a new connection
+    arrives; if a lock it waited on is released first, it commits behind the client's
+    back (a claim then answers 409 for its lease, with no handler run). The server's
+    own timeout, shorter by a margin (the statement's trip to the server, and the
+    server's reaction), ends it there first: a statement the store gave up on has
+    already been rolled back.
+    """
+    margin = min(_SERVER_GIVES_UP_SOONER, command_timeout / 5)
+    return max(1, int((command_timeout - margin) * 1000))
+
+
+def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
+    # asyncpg's own command_timeout bounds each statement, at no statement's cost; the
+    # server's statement_timeout, set once per connection, ends it there first.
+    connect = {
+        "command_timeout": command_timeout,
+        "timeout": command_timeout,
+        "server_settings": {"statement_timeout": str(statement_timeout_ms(command_timeout))},
+    }
+    return {**pool_options(command_timeout, pool_size), "connect_args": connect}
+
+
+DIALECT = SQLDialect(
+    label="Postgres",
+    driver="asyncpg",
+    errors=PG_ERRORS,
+    time=pg_time,
+    clock=PG_CLOCK,
+    hot_path=_hot_path,
+    engine_options=_engine_options,
+    configure_engine=leave_engine,
+    create_schema=_create_schema,
+    prune=prune_by_ctid,
+    # Batching by default: under load a statement's round trip and commit are shared,
+    # a request alone costs what it did, and what one request per statement never
+    # suffered stays so (postgres_batched.py, tests/stores/test_batching_safety.py).
+    batching=True,
+    can_batch=True,
+    transaction=open_transaction,
+)
