@@ -159,7 +159,7 @@ async def _mariadb_admin(url: str, *statements: str) -> None:
 
 def postgres_default() -> str:
     """The Postgres variant that is the library's default, read from the library."""
-    from asgi_idempotency.stores.sql.postgres import DIALECT
+    from asgi_idempotency.stores.sql.postgres_batched import DIALECT
 
     return "postgres_batched" if DIALECT.batching else "postgres_unbatched"
 

@@ -1,4 +1,5 @@
-"""The lab (bench/) apart from the library and its tests, and without import circles."""
+"""The lab (bench/) apart from the library and its tests; no import circle in the lab or in
+the library, whose top shows its roles as folders."""
 
 from __future__ import annotations
 
@@ -41,3 +42,83 @@ def test_the_lab_has_no_import_circle() -> None:
 
     circles = sorted(name for name in graph if reaches(name, name, {name}))
     assert not circles, f"bench modules on an import circle: {circles}"
+
+
+def _src_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports, at any
+    level of the file except under ``if TYPE_CHECKING:`` (a function-level import is
+    still an arrow: it only hides the circle until the call)."""
+    pkg = ROOT / "src" / "asgi_idempotency"
+    names: dict[str, Path] = {}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(ROOT / "src").with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        names[".".join(parts)] = path
+
+    def imported(path: Path, module: str) -> set[str]:
+        tree = ast.parse(path.read_text())
+        skip: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip.update(id(n) for b in node.body for n in ast.walk(b))
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip or not isinstance(node, ast.ImportFrom | ast.Import):
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")
+                    up = up[: len(up) - (node.level - 1)]
+                    base = ".".join([*up, base] if base else up)
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            found.update(t for t in targets if t in names and t != module)
+        return found
+
+    graph = {name: imported(path, name) for name, path in names.items()}
+    # A package imports its own modules to re-export them: not an arrow back up.
+    return {
+        name: {
+            t
+            for t in targets
+            if not (t.startswith(name + ".") and names[name].name == "__init__.py")
+        }
+        for name, targets in graph.items()
+    }
+
+
+def test_the_library_has_no_import_circle() -> None:
+    graph = _src_graph()
+    # The package's face (asgi_idempotency/__init__.py) imports lazily and is imported
+    # by everything that reads __version__: it is the root, not part of the house.
+    graph.pop("asgi_idempotency", None)
+    for targets in graph.values():
+        targets.discard("asgi_idempotency")
+
+    circles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt])
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    assert not circles, "import circles in src: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_the_package_top_shows_its_roles() -> None:
+    top = ROOT / "src" / "asgi_idempotency"
+    modules = sorted(p.name for p in top.glob("*.py"))
+    folders = sorted(p.name for p in top.iterdir() if (p / "__init__.py").exists())
+    assert len(modules) <= 12, modules
+    for role in ("core", "http", "functions", "integrations", "stores", "observability", "ops"):
+        assert role in folders, f"no {role}/ in {folders}"

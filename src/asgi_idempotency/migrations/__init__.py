@@ -30,7 +30,9 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
-from sqlalchemy.schema import SchemaItem
+from sqlalchemy.schema import CreateIndex, CreateTable, SchemaItem
+
+from asgi_idempotency.stores.sql.schema import records
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -85,6 +87,7 @@ with _quiet_alembic():
     from alembic.script.revision import RevisionError
 
 __all__ = [
+    "create_tables",
     "TABLE",
     "VERSION_TABLE",
     "SchemaConflict",
@@ -426,3 +429,29 @@ def downgrade(url: str, revision: str = "base") -> None:
     """
     _check_target(revision)
     _off_the_loop(_quiet(lambda: command.downgrade(alembic_config(url), revision)))
+
+
+def create_tables(conn: Connection) -> None:
+    """The table and its indexes from the one ``Table``; the migrations' head, if created now.
+
+    A table that exists and records an older revision this package carries is upgraded
+    to the head first (the embedded SQLite default has no operator to run ``migrate``).
+
+    Each backend runs it under its own guard against a second process doing the same
+    (:attr:`asgi_idempotency.stores.sql.dialect.SQLDialect.create_schema`).
+    """
+    created = not inspect(conn).has_table(records.name)
+    conn.execute(CreateTable(records, if_not_exists=True))
+    if not created:
+        # A table an earlier version made (an embedded SQLite file, above all): brought
+        # to the head when it records an older revision.
+        upgrade_behind(conn)
+    columns = {column["name"] for column in inspect(conn).get_columns(records.name)}
+    # In the order the migrations create them (a set has none), so that a table built
+    # here reads the same as a migrated one (SHOW CREATE TABLE lists keys in order).
+    # An index on columns an unmigrated table lacks is left to `migrate`.
+    for index in sorted(records.indexes, key=lambda index: str(index.name)):
+        if {column.name for column in index.columns} <= columns:
+            conn.execute(CreateIndex(index, if_not_exists=True))
+    if created:
+        stamp_head(conn)

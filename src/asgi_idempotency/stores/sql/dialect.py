@@ -154,7 +154,7 @@ def leave_engine(engine: AsyncEngine, command_timeout: float) -> None:
 # SQLAlchemy's dialect name -> the module declaring its DIALECT; imported on first use,
 # so that a backend's extra is needed only by those who use it.
 BACKENDS = {
-    "postgresql": "postgres",
+    "postgresql": "postgres_batched",  # the Postgres backend, batching by default
     "sqlite": "sqlite",
     "mysql": "mysql",
     "mariadb": "mariadb",  # the MySQL backend, with transactions

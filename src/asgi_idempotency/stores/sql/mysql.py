@@ -45,11 +45,12 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.codec import mysql_time
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions, SQLDialect, pool_options
 from asgi_idempotency.stores.sql.errors import MYSQL_ERRORS
 from asgi_idempotency.stores.sql.postgres import LANDED, PostgresDriver, own_claim
-from asgi_idempotency.stores.sql.schema import create_tables, records
+from asgi_idempotency.stores.sql.schema import records
 from asgi_idempotency.stores.sql.statements import MYSQL, MYSQL_CLOCK
 
 __all__ = [

@@ -29,6 +29,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
 from asgi_idempotency.stores.codec import encode_headers, pg_time, to_record
 from asgi_idempotency.stores.sql.dialect import (
@@ -40,11 +41,10 @@ from asgi_idempotency.stores.sql.dialect import (
 )
 from asgi_idempotency.stores.sql.errors import PG_ERRORS, ErrorBoundary
 from asgi_idempotency.stores.sql.queries import prune_by_ctid
-from asgi_idempotency.stores.sql.schema import create_tables
 from asgi_idempotency.stores.sql.statements import CLAIM_LOCKED, COMPLETE, PG, PG_CLOCK, REPLACE
 
 __all__ = [
-    "DIALECT",
+    "ONE_STATEMENT",
     "IdempotencyTransaction",
     "PostgresDriver",
     "PostgresTransaction",
@@ -529,15 +529,7 @@ async def _create_schema(
         await conn.run_sync(create_tables)
 
 
-def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
-    if options.batching:
-        from asgi_idempotency.stores.sql.postgres_batched import (
-            BatchingPostgresDriver,  # it builds on this module
-        )
-
-        return BatchingPostgresDriver(
-            engine, limit=options.limit, timeout=options.timeout, max_batch=options.max_batch
-        )
+def _one_statement(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
     return PostgresDriver(engine, limit=options.limit, timeout=options.timeout)
 
 
@@ -572,13 +564,16 @@ def _engine_options(command_timeout: float, pool_size: int) -> dict[str, Any]:
     return {**pool_options(command_timeout, pool_size), "connect_args": connect}
 
 
-DIALECT = SQLDialect(
+# The backend with one statement per request. The batching driver builds on this
+# module, so the dialect SQLStore reads is postgres_batched.DIALECT: this one with a
+# hot path that chooses between the two.
+ONE_STATEMENT = SQLDialect(
     label="Postgres",
     driver="asyncpg",
     errors=PG_ERRORS,
     time=pg_time,
     clock=PG_CLOCK,
-    hot_path=_hot_path,
+    hot_path=_one_statement,
     engine_options=_engine_options,
     configure_engine=leave_engine,
     create_schema=_create_schema,

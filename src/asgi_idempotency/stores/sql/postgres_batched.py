@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import asyncpg
@@ -71,10 +72,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.stores.base import BUSY, Busy
 from asgi_idempotency.stores.batching import Batcher, BatchStats
-from asgi_idempotency.stores.sql.postgres import PostgresDriver, claimed_row, own_claim
+from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions
+from asgi_idempotency.stores.sql.postgres import (
+    ONE_STATEMENT,
+    PostgresDriver,
+    claimed_row,
+    own_claim,
+)
 from asgi_idempotency.stores.sql.statements import PG, PG_BATCHED, PG_LONE, Compiled
 
-__all__ = ["LOCK_WAIT", "BatchingPostgresDriver"]
+__all__ = ["DIALECT", "LOCK_WAIT", "BatchingPostgresDriver"]
 
 T = TypeVar("T")
 
@@ -529,3 +536,15 @@ def _fenced_key(values: dict[str, Any]) -> Any:
 
 def _body_size(values: dict[str, Any]) -> int:
     return len(values["response_body"]) + len(values["response_headers"])
+
+
+def _hot_path(engine: AsyncEngine, options: HotPathOptions) -> HotPath:
+    if options.batching:
+        return BatchingPostgresDriver(
+            engine, limit=options.limit, timeout=options.timeout, max_batch=options.max_batch
+        )
+    return PostgresDriver(engine, limit=options.limit, timeout=options.timeout)
+
+
+# The Postgres backend SQLStore reads (dialect.BACKENDS): batching by default.
+DIALECT = replace(ONE_STATEMENT, hot_path=_hot_path)

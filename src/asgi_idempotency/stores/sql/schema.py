@@ -15,14 +15,11 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    inspect,
 )
 from sqlalchemy.dialects import mysql
-from sqlalchemy.engine import Connection
-from sqlalchemy.schema import CreateIndex, CreateTable
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-__all__ = ["MYSQL_DIALECTS", "UTCDateTime", "create_tables", "metadata", "records"]
+__all__ = ["MYSQL_DIALECTS", "UTCDateTime", "metadata", "records"]
 
 metadata = MetaData()
 
@@ -112,31 +109,3 @@ Index(
     records.c.request_hash,
     records.c.created_at,
 )
-
-
-def create_tables(conn: Connection) -> None:
-    """The table and its indexes from the one ``Table``; the migrations' head, if created now.
-
-    A table that exists and records an older revision this package carries is upgraded
-    to the head first (the embedded SQLite default has no operator to run ``migrate``).
-
-    Each backend runs it under its own guard against a second process doing the same
-    (:attr:`.dialect.SQLDialect.create_schema`).
-    """
-    from asgi_idempotency.migrations import stamp_head, upgrade_behind
-
-    created = not inspect(conn).has_table(records.name)
-    conn.execute(CreateTable(records, if_not_exists=True))
-    if not created:
-        # A table an earlier version made (an embedded SQLite file, above all): brought
-        # to the head when it records an older revision.
-        upgrade_behind(conn)
-    columns = {column["name"] for column in inspect(conn).get_columns(records.name)}
-    # In the order the migrations create them (a set has none), so that a table built
-    # here reads the same as a migrated one (SHOW CREATE TABLE lists keys in order).
-    # An index on columns an unmigrated table lacks is left to `migrate`.
-    for index in sorted(records.indexes, key=lambda index: str(index.name)):
-        if {column.name for column in index.columns} <= columns:
-            conn.execute(CreateIndex(index, if_not_exists=True))
-    if created:
-        stamp_head(conn)

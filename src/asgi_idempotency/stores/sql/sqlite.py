@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.codec import sqlite_time
 from asgi_idempotency.stores.sql.dialect import MAX_BATCH, HotPath, HotPathOptions, SQLDialect
 from asgi_idempotency.stores.sql.errors import SQLITE_ERRORS
 from asgi_idempotency.stores.sql.queries import prune_by_key
-from asgi_idempotency.stores.sql.schema import create_tables
 from asgi_idempotency.stores.sql.statements import SQLITE
 
 __all__ = [
