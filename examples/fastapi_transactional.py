@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 from asgi_idempotency.ops.demo import demo_metadata, refunds
 from asgi_idempotency.principals import ANONYMOUS
-from asgi_idempotency.integrations.transactional import get_session
+from asgi_idempotency.transactional import get_session
 
 store = SQLStore(
     os.environ.get("IDEMPOTENCY_DATABASE_URL", "postgresql+asyncpg://postgres@127.0.0.1/postgres")
