@@ -46,6 +46,7 @@ from asgi_idempotency.stores.sql.statements import (
     MARIADB_TX_REPLACE,
     MYSQL,
     Compiled,
+    clock_claim_values,
 )
 
 __all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction", "server_problem"]
@@ -115,7 +116,7 @@ class MariaDBTransaction:
         self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        values = _claim_values(new)
+        values = clock_claim_values(new)
         values["key"] = new.key
         _check_claim(values)
         with MYSQL_ERRORS:
@@ -135,7 +136,7 @@ class MariaDBTransaction:
     async def replace(self, expected: Record, new: NewClaim) -> bool:
         # A compare-and-swap, as everywhere, though the claim's lock has kept the row
         # as it read it.
-        values = _claim_values(new)
+        values = clock_claim_values(new)
         values["where_key"] = new.key
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
@@ -170,18 +171,6 @@ class MariaDBTransaction:
         with MYSQL_ERRORS:
             await self.state.session.flush()
             await self._conn.commit()
-
-
-def _claim_values(new: NewClaim) -> dict[str, Any]:
-    # The lease and the retention as durations: the server's clock decides them.
-    return {
-        "request_hash": new.request_hash,
-        "token": new.token,
-        "lease_us": new.lease // _US,
-        "ttl_us": new.ttl // _US,
-        "scope_digest": new.scope_digest,
-        "route": new.route,
-    }
 
 
 @asynccontextmanager

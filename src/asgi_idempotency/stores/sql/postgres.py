@@ -41,7 +41,14 @@ from asgi_idempotency.stores.sql.dialect import (
 )
 from asgi_idempotency.stores.sql.errors import PG_ERRORS, ErrorBoundary
 from asgi_idempotency.stores.sql.queries import prune_by_ctid
-from asgi_idempotency.stores.sql.statements import CLAIM_LOCKED, COMPLETE, PG, PG_CLOCK, REPLACE
+from asgi_idempotency.stores.sql.statements import (
+    CLAIM_LOCKED,
+    COMPLETE,
+    PG,
+    PG_CLOCK,
+    REPLACE,
+    clock_claim_values,
+)
 
 __all__ = [
     "ONE_STATEMENT",
@@ -403,7 +410,7 @@ class PostgresTransaction:
         return row
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        values = _claim_values(new)
+        values = clock_claim_values(new)
         values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
             row = await self._claim(values)
@@ -424,7 +431,7 @@ class PostgresTransaction:
         # claim statement's snapshot, which may predate a rival's take-over that
         # committed before this transaction won the lock. The swap then fails and the
         # lifecycle claims again, in a snapshot that sees the rival's row.
-        values = _claim_values(new)
+        values = clock_claim_values(new)
         values["where_key"] = new.key
         values["old_token"] = expected.token
         values["old_status"] = expected.status.value
@@ -459,18 +466,6 @@ class PostgresTransaction:
         with PG_ERRORS:
             await self.state.session.flush()
             await self._conn.commit()
-
-
-def _claim_values(new: NewClaim) -> dict[str, Any]:
-    """A claim's parameters: the lease and retention as durations, for the database's clock."""
-    return {
-        "request_hash": new.request_hash,
-        "token": new.token,
-        "lease_us": new.lease // _US,
-        "ttl_us": new.ttl // _US,
-        "scope_digest": new.scope_digest,
-        "route": new.route,
-    }
 
 
 @asynccontextmanager

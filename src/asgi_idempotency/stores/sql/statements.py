@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
@@ -52,10 +53,11 @@ from sqlalchemy.dialects.sqlite.aiosqlite import dialect as _aiosqlite_dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ColumnClause
 
-from asgi_idempotency.stores.base import RecordStatus
+from asgi_idempotency.stores.base import NewClaim, RecordStatus
 from asgi_idempotency.stores.sql.schema import MYSQL_DIALECTS, UTCDateTime, records
 
 __all__ = [
+    "clock_claim_values",
     "CALLER_CLOCK",
     "CLAIM_LOCKED",
     "COMPLETE",
@@ -526,3 +528,19 @@ MARIADB_TX_COMPLETE: ClauseElement = _complete(MYSQL_CLOCK)
 # MariaDB's hot path claims with it too (mariadb.py): one statement, one round trip, for
 # a replay, 409 or 422 as for a first request.
 MYSQL["claim_returning"] = Compiled(MARIADB_TX_CLAIM, _asyncmy_dialect(paramstyle="qmark"))
+
+
+_US = timedelta(microseconds=1)
+
+
+def clock_claim_values(new: NewClaim) -> dict[str, Any]:
+    """What a claim binds on a store with its own clock (Postgres, MariaDB/MySQL): the
+    lease and the retention as durations, which the statement adds to the server's now."""
+    return {
+        "request_hash": new.request_hash,
+        "token": new.token,
+        "lease_us": new.lease // _US,
+        "ttl_us": new.ttl // _US,
+        "scope_digest": new.scope_digest,
+        "route": new.route,
+    }

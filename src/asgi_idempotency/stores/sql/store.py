@@ -67,7 +67,7 @@ from asgi_idempotency.stores.sql.queries import (
     get_query,
     sightings_query,
 )
-from asgi_idempotency.stores.sql.statements import CALLER_CLOCK
+from asgi_idempotency.stores.sql.statements import CALLER_CLOCK, clock_claim_values
 from asgi_idempotency.stores.urls import async_url, redact
 
 __all__ = ["SQLStore"]
@@ -274,14 +274,7 @@ class SQLStore:
 
     def _claim_values(self, new: NewClaim) -> dict[str, Any]:
         if self._clock is not None:
-            return {
-                "request_hash": new.request_hash,
-                "token": new.token,
-                "lease_us": new.lease // _US,
-                "ttl_us": new.ttl // _US,
-                "scope_digest": new.scope_digest,
-                "route": new.route,
-            }
+            return clock_claim_values(new)
         when, now = self._time, new.now
         return {
             "request_hash": new.request_hash,
