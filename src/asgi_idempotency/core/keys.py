@@ -99,18 +99,23 @@ def _parse_sf_string(value: bytes) -> str:
     raise InvalidKey('The quoted Idempotency-Key is not a valid string, e.g. "order-42".')
 
 
-def scoped_key(principal: str, key: str, host: str = "") -> str:
-    """The record's primary key: a digest of (host, principal, key), never the raw key.
+def scoped_key(principal: str, key: str, host: str = "", namespace: str = "") -> str:
+    """The record's primary key: a digest of (namespace, host, principal, key), never the
+    raw key.
 
     ``host`` is the request's ``Host`` when records are scoped by host (the default):
     tenant-per-subdomain apps often have tenant-local user ids, "1" in every tenant.
+    ``namespace`` names the service when several share one table; records of different
+    namespaces never answer each other.
     """
     # Length-prefix each part so ("a:b", "c") and ("a", "b:c") cannot collide. Without a
-    # host the material is what it was before hosts entered it, so records kept then
-    # still match with scope_by_host=False.
+    # host (or a namespace) the material is what it was before hosts (namespaces) entered
+    # it, so records kept then still match.
     material = f"{len(principal)}:{principal}\x00{key}"
     if host:
         material = f"h{len(host)}:{host}\x00{material}"
+    if namespace:
+        material = f"n{len(namespace)}:{namespace}\x00{material}"
     return hashlib.sha256(material.encode()).hexdigest()
 
 
@@ -119,11 +124,14 @@ def scoped_key(principal: str, key: str, host: str = "") -> str:
 MAX_ROUTE_LENGTH = 255
 
 
-def scope_digest(principal: str, host: str = "") -> str:
-    """A digest of the caller's scope (host and principal) for the audit, never in clear.
+def scope_digest(principal: str, host: str = "", namespace: str = "") -> str:
+    """A digest of the caller's scope (namespace, host and principal) for the audit, never
+    in clear.
 
-    Its material starts with ``s`` where :func:`scoped_key`'s starts with a digit or
-    ``h``, so a scope digest never equals a record's key.
+    Its material starts with ``s`` where :func:`scoped_key`'s starts with a digit, ``h``
+    or ``n``, so a scope digest never equals a record's key.
     """
     material = f"s{len(host)}:{host}\x00{len(principal)}:{principal}"
+    if namespace:
+        material = f"{material}\x00n{len(namespace)}:{namespace}"
     return hashlib.sha256(material.encode()).hexdigest()
