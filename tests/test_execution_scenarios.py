@@ -188,7 +188,7 @@ def over_http(store: Faults, handler: Handler, wait: timedelta | None) -> Column
         return {422: "mismatch", 409: "in progress", 500: "raised"}[got.status_code]
 
     def waiting() -> int:
-        return IdempotencyMiddleware.of(app)._runtime.waiters.waiting()
+        return IdempotencyMiddleware.of(app)._runtime.runner.waiters.waiting()
 
     return Column(call, scoped_key("", KEY, HOST), "/pay", waiting)
 

@@ -47,9 +47,9 @@ import orjson
 
 from asgi_idempotency.core.canonical import canonical_json
 from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
-from asgi_idempotency.core.execution import Execution, Executor
+from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.lifecycle import ClaimOutcome
-from asgi_idempotency.http.policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
+from asgi_idempotency.core.terms import DEFAULT_TTL, LEASE_NOT_GIVEN, ExecutionTerms, duration
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import MetricsSink, MetricsSnapshot, Outcome
 from asgi_idempotency.observability.observer import Observer, store_label
@@ -207,8 +207,8 @@ class Once:
         self,
         store: Store,
         *,
-        ttl: timedelta = _DEFAULT_TTL,
-        lease: timedelta = _LEASE_NOT_GIVEN,
+        ttl: timedelta = DEFAULT_TTL,
+        lease: timedelta = LEASE_NOT_GIVEN,
         namespace: str | None = None,
         wait: timedelta | None = None,
         retry_after: float = 1.0,
@@ -216,18 +216,18 @@ class Once:
         clock: Callable[[], datetime] = utcnow,
         metrics: MetricsSink | None = None,
     ) -> None:
-        policy = Policy(ttl=ttl, lease=lease)  # the same rules, and the same lease default
+        terms = ExecutionTerms(ttl=ttl, lease=lease)  # a route's rules, and its lease default
         self.store = store
-        self.ttl, self.lease, self._renew_every = policy.ttl, policy.lease, policy.renew_every
+        self.ttl, self.lease, self._renew_every = terms.ttl, terms.lease, terms.renew_every
         self.namespace = None if namespace is None else _namespace(namespace)
         self.wait = _wait(wait)
         self.retry_after = retry_after
         self.codec: Codec = _ORJSON() if codec is None else codec
         self.clock = clock
-        self._policy = policy
+        self._terms = terms
         self._observer = Observer(metrics, store_label(store))
         # The claim, completion and release: the same core as the HTTP responder's.
-        self._core = Executor(
+        self._core = Runner(
             store, clock=clock, fail_open=False, retry_after=retry_after, observer=self._observer
         )
         self._thread: _LoopThread | None = None
@@ -416,13 +416,13 @@ class Once:
     async def _claim(self, call: _Call, span: Any = None) -> bytes | Execution:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
         execution = await self._core.claim(
-            self.store, call.key, call.fingerprint, call.namespace, self._policy, span=span,
-            wait=call.wait,
-        )  # fmt: skip
+            call.key, call.fingerprint, call.namespace, self._terms, span=span, wait=call.wait
+        )
         if execution.owned:
             return execution
-        record = execution.claim.record
-        outcome = execution.claim.outcome
+        claim = execution.claim
+        assert claim is not None  # a claim was made (not a transaction alone)
+        record, outcome = claim.record, claim.outcome
         if outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
@@ -553,4 +553,4 @@ def _wait(wait: timedelta | None) -> timedelta | None:
     # Not bounded by the lease, unlike Policy(wait=...): no client connection is held
     # open meanwhile, and a redelivery may well wait out a dead holder's lease to take
     # its key over.
-    return None if wait is None else _duration("wait", wait)
+    return None if wait is None else duration("wait", wait)
