@@ -46,6 +46,7 @@ from asgi_idempotency.stores.base import (
     StoredResponse,
     StoreTransaction,
     TransactionalStore,
+    capabilities,
 )
 
 __all__ = ["Execution", "Executor", "Runner"]
@@ -118,9 +119,11 @@ class Runner:
 
     def transactions_unavailable(self) -> str | None:
         """Why this runner's store cannot run transactional operations, or ``None``."""
-        if not isinstance(self.store, TransactionalStore):
-            return f"{type(self.store).__name__} has no transactions"
-        return self.store.transactions_unavailable
+        store = self.store
+        if capabilities(store).transactions:
+            return None
+        why = getattr(store, "transactions_unavailable", None)
+        return why if isinstance(why, str) else f"{type(store).__name__} has no transactions"
 
     async def claim(
         self,
