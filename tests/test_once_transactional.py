@@ -115,7 +115,7 @@ def test_refused_for_a_function_without_session_or_not_async(tx_url: str) -> Non
 
     with pytest.raises(TypeError, match="async"):
 
-        @once(key=lambda order: order, transactional=True)
+        @once(key=lambda order: order, transactional=True)  # type: ignore[arg-type]
         def not_async(order: str, *, session: Any) -> str:
             return order
 

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from concurrent.futures import Future
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Literal, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
 import orjson
 
@@ -233,6 +233,32 @@ class Once:
         )
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
+
+    @overload
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        exclude: Collection[str] = (),
+        transactional: Literal[False] = False,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+    @overload
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        exclude: Collection[str] = (),
+        transactional: Literal[True],
+    ) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
+        # Callers call it without the session the guard passes: a signature a
+        # ParamSpec cannot spell (one keyword fewer), so the guarded function's
+        # arguments go unchecked and its result keeps its type.
+        ...
 
     def __call__(
         self,
