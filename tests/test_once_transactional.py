@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,12 +19,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from asgi_idempotency import MemoryStore, Once, SQLStore
 from asgi_idempotency.functions.once import InProgress, KeyReused
 from asgi_idempotency.ops.demo import refunds
+from tests.docs_text import ROOT
 from tests.once_tx_holder import handler
 from tests.test_transactional import record_rows, refund_rows
 
 pytestmark = [pytest.mark.anyio]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class ProviderDown(Exception):
@@ -153,3 +153,18 @@ async def test_a_consumer_killed_after_its_write_leaves_nothing_and_the_redelive
     assert await refund_rows(tx_store) == 1
     assert await handle({"id": "m-1"}) == {"refund": "m-1"}
     assert await refund_rows(tx_store) == 1
+
+
+def test_the_docs_example_runs_on_a_migrated_database(pg_url: str, tmp_path: Path) -> None:
+    """docs/guide/once.md's transactional block, on the test server's migrated database."""
+    text = (ROOT / "docs" / "guide" / "once.md").read_text(encoding="utf-8")
+    section = text[text.index("## Transactional functions") :]
+    block = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+    url = "postgresql+asyncpg://postgres@127.0.0.1/shop"
+    assert url in block
+    script = tmp_path / "consumer.py"
+    script.write_text(block.replace(url, pg_url), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
