@@ -8,6 +8,9 @@ claimed, each caller's key is its own, and the record commits with the handler's
 
 from __future__ import annotations
 
+import asyncio
+import signal
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +25,7 @@ from asgi_idempotency import IdempotencyMiddleware, SQLStore, idempotent
 from asgi_idempotency.integrations.transactional import get_session
 from asgi_idempotency.ops.demo import refunds
 from asgi_idempotency.principals import from_dependency
+from tests.serving import run_uvicorn
 from tests.test_transactional import record_rows, refund_rows
 
 pytestmark = [pytest.mark.anyio]
@@ -143,3 +147,45 @@ async def test_a_raise_rolls_back_the_write_and_the_claim(tx_store: SQLStore) ->
     assert failed.status_code == retried.status_code == 500
     assert calls == ["acme", "acme"]  # released: the retry ran again
     assert await refund_rows(tx_store) == 0
+
+
+@pytest.mark.slow
+async def test_a_worker_killed_after_its_write_leaves_nothing_and_the_retry_runs_once(
+    tx_url: str, tx_store: SQLStore, tmp_path: Path
+) -> None:
+    """uvicorn serving the README's wiring is SIGKILLed between the handler's insert and
+    its answer: the database rolls back the write with the claim; the retry answers 409
+    at most until the dead transaction is gone, then runs once (201), then replays."""
+    written = tmp_path / "written"
+    env = {"IDEMPOTENCY_TEST_TX_URL": tx_url, "IDEMPOTENCY_TEST_WRITTEN": str(written)}
+    body = {"amount": 4500, "after": 30}
+    h = headers("kill-1")
+    with run_uvicorn("tests.tx_dependency_app:app", env=env, log_dir=tmp_path) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
+            pending = asyncio.create_task(c.post("/orders/1/refunds", json=body, headers=h))
+            async with asyncio.timeout(20):
+                while not written.exists():  # polled: another process writes it
+                    assert not pending.done(), (await pending).text  # answered: no crash
+                    await asyncio.sleep(0.05)
+            server.kill(signal.SIGKILL)
+            with pytest.raises(httpx.TransportError):
+                await pending
+    assert await refund_rows(tx_store) == 0
+    statuses: list[int] = []
+    body["after"] = 0
+    with run_uvicorn("tests.tx_dependency_app:app", env=env, log_dir=tmp_path) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as c:
+            async with asyncio.timeout(20):
+                while True:
+                    got = await c.post("/orders/1/refunds", json=body, headers=h)
+                    statuses.append(got.status_code)
+                    if got.status_code != 409:
+                        break
+                    await asyncio.sleep(0.05)
+            replay = await c.post("/orders/1/refunds", json=body, headers=h)
+    assert got.status_code == 201, got.text
+    assert set(statuses[:-1]) <= {409}
+    assert replay.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == got.content
+    assert await refund_rows(tx_store) == 1
