@@ -2,7 +2,8 @@
 
 Postgres comes from ``IDEMPOTENCY_TEST_DATABASE_URL`` when set, else a server on
 127.0.0.1:5432 (user postgres), else a throwaway server started from local
-binaries by pytest-postgresql. Each run creates and drops a database of its own.
+binaries by pytest-postgresql. Each run creates and drops a database of its own: each
+pytest-xdist worker does (session fixtures are per worker), named with the worker's id.
 If no Postgres can be had, Postgres tests fail (never skip) and say how to get one.
 MariaDB likewise: ``IDEMPOTENCY_TEST_MARIADB_URL``, else root on 127.0.0.1:3306.
 """
@@ -55,6 +56,17 @@ settings.register_profile(
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# The pytest-xdist worker this process is ("gw0", "gw1", ...; "main" without xdist). Every
+# resource the run creates on a shared server (databases, queues, streams) carries it, so
+# workers never share one and a leftover names the worker that left it.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def worker_name(prefix: str) -> str:
+    """A name of this worker's own on a shared server: ``{prefix}_{worker}_{random}``."""
+    return f"{prefix}_{WORKER}_{uuid.uuid4().hex[:12]}"
+
+
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
     "Start one with `docker compose up -d` (see README), or set "
@@ -93,6 +105,23 @@ def _pg_ctl() -> str | None:
 pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 
+# Tests that must not share the machine with each other: real uvicorn workers under
+# load, app servers under libfaketime's skewed clocks, bounds on how long an answer takes.
+# One xdist group keeps them on one worker, one after another (the other worker runs the
+# rest meanwhile), and lets them share that worker's demo servers (session fixtures).
+SERIAL_GROUP = "real-processes"
+SERIAL_PATHS = ("reliability/",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        where = item.path.resolve().relative_to(tests).as_posix()
+        if where.startswith(SERIAL_PATHS) or item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With IDEMPOTENCY_REQUIRE_POSTGRES (or _MARIADB) set, a run without their tests fails."""
     required = os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES")
@@ -129,7 +158,7 @@ class PgServer:
     @contextmanager
     def database(self, prefix: str) -> Iterator[str]:
         """An empty database of its own on this server, dropped afterwards; yields its URL."""
-        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        dbname = worker_name(prefix)
         with DatabaseJanitor(
             user=self.user, host=self.host, port=self.port, dbname=dbname, password=self.password
         ):
@@ -291,7 +320,7 @@ class MariaDBServer:
     @contextmanager
     def database(self, prefix: str) -> Iterator[str]:
         """An empty database of its own on this server, dropped afterwards; yields its URL."""
-        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        dbname = worker_name(prefix)
         self._run(f"CREATE DATABASE `{dbname}`")
         try:
             yield self.url(dbname)

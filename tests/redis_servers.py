@@ -67,11 +67,26 @@ def _free_port(*, bus: bool = False) -> int:
     raise RuntimeError("no free loopback port")
 
 
-def _ping(port: int) -> bool:
+def _ping(port: int, pid: int | None = None) -> bool:
+    """The server on ``port`` answers (and, with ``pid``, is that process).
+
+    Another test process (a pytest-xdist worker) may start its own server on the port
+    this one picked between the probe and the bind: this process's server then exits,
+    and the other's answer must not pass for its start.
+    """
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+            if pid is None:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+            sock.sendall(b"INFO server\r\n")
+            answer = b""
+            while b"process_id:" not in answer or not answer.endswith(b"\r\n\r\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            return f"process_id:{pid}\r\n".encode() in answer
     except OSError:
         return False
 
@@ -122,7 +137,7 @@ class RedisServer:
         log.close()
         _LIVE[self.proc.pid] = self.proc
         deadline = time.monotonic() + within
-        while not _ping(self.port):
+        while not _ping(self.port, self.proc.pid):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 tail = (self.directory / "redis.log").read_text(errors="replace")[-400:]

@@ -176,6 +176,7 @@ async def test_cancelled_while_completing_the_completion_still_lands(
                 n = await conn.scalar(
                     text(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND datname = current_database() "
                         "AND query ILIKE 'UPDATE idempotency_records%'"
                     )
                 )
