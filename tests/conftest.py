@@ -239,7 +239,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis server for the run: ``IDEMPOTENCY_TEST_REDIS_URL``, else one of our own."""
-    from tests.redis_servers import NO_REDIS, start_server
+    from tests.helpers.redis_servers import NO_REDIS, start_server
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL")
     if env:
@@ -258,7 +258,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis Cluster: ``IDEMPOTENCY_TEST_REDIS_CLUSTER``, else 3 + 3 nodes of our own."""
-    from tests.redis_servers import NO_REDIS, start_cluster
+    from tests.helpers.redis_servers import NO_REDIS, start_cluster
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_CLUSTER")
     if env:
@@ -379,7 +379,7 @@ def nats_url() -> str:
 
 STORE_KINDS = [
     "memory",
-    # The lifecycle suite's fake (tests/scripted_store.py), held to the same contract.
+    # The lifecycle suite's fake (tests/helpers/scripted_store.py), held to the same contract.
     "fake",
     "sqlite",
     pytest.param("postgres", marks=pytest.mark.postgres),
@@ -398,7 +398,7 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
         yield MemoryStore()
         return
     if kind == "fake":
-        from tests.scripted_store import ScriptedStore
+        from tests.helpers.scripted_store import ScriptedStore
 
         yield ScriptedStore()
         return

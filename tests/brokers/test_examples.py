@@ -18,7 +18,7 @@ import aio_pika
 import pytest
 
 from tests.brokers.processes import ROOT, Consumer
-from tests.docs_text import docs_text
+from tests.project.docs_text import docs_text
 
 pytestmark = [pytest.mark.slow]
 

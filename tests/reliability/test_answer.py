@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from asgi_idempotency.http.principals import ANONYMOUS
-from tests.serving import run_uvicorn
+from tests.helpers.serving import run_uvicorn
 
 APP = "tests.reliability.answer_app:app"
 

@@ -25,7 +25,7 @@ from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.stores.base import RecordStatus, Store
 
 from ..conftest import StoreClock
-from ..serving import UvicornProcess
+from ..helpers.serving import UvicornProcess
 from .apps import asgi_call, refund_app
 from .support import Probe
 

@@ -6,7 +6,7 @@ Real Postgres, the real middleware over ASGI: the hot path's connections are war
 requests, then a second connection ``pg_terminate_backend``s every idle backend of the
 store's database, and the next requests are answered as if nothing had happened. And
 statements whose connection was cut after they committed (a loopback proxy,
-:mod:`tests.pgfaults`) are answered as they landed.
+:mod:`tests.helpers.pgfaults`) are answered as they landed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.integrations.transactional import get_session
 from asgi_idempotency.ops.demo import refunds
 from tests.conftest import TinyFactory, emptied
-from tests.pgfaults import FaultProxy
+from tests.helpers.pgfaults import FaultProxy
 from tests.stores.test_batching import RESPONSE, TTL, k, tok
 from tests.stores.test_batching_safety import (
     batched_store,
