@@ -20,21 +20,21 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, settings
 from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.testing import StoreClock as StoreClock  # where tests import it from
+from tests.apps import Tiny as Tiny  # where tests imported it from
+from tests.apps import TinyFactory as TinyFactory
+from tests.apps import tiny_app
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -438,7 +438,40 @@ async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
 
 @pytest.fixture(params=STORE_KINDS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """Every store kind, each empty; the contract and middleware suites run on all of them."""
+    """Every store kind, each empty: the contract suite and each store's own tests.
+
+    The folders of the suites above the store (tests/http, tests/functions,
+    tests/observability) override it with :data:`APP_KINDS`.
+    """
+    async with open_store(request, request.param) as opened:
+        yield opened
+
+
+# The kinds the suites above the store run on: the store contract already holds every
+# kind to the same rules (tests/stores/test_contract_every_store.py), so the HTTP,
+# function-guard and integration suites need one store of each family: in process,
+# SQL on the server's clock (Postgres), and Redis.
+APP_KINDS = [
+    "memory",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+
+
+async def app_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """The ``store`` fixture of the folders above the store: one of :data:`APP_KINDS`.
+
+    ``store = pytest.fixture(params=APP_KINDS, name="store")(app_store)`` in a folder's
+    conftest.
+    """
+    async with open_store(request, request.param) as opened:
+        yield opened
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def each_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """Every store kind, for a test above the store that is about each store's own
+    behaviour (cyclic garbage left by a store's code, say) where ``store`` is narrowed."""
     async with open_store(request, request.param) as opened:
         yield opened
 
@@ -510,91 +543,7 @@ def refused_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-@dataclass
-class Tiny:
-    """A tiny guarded Starlette app that counts how often its handlers ran."""
-
-    app: Starlette
-    calls: dict[str, int]
-    gate: asyncio.Event
-    entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
-
-    def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://test", **kwargs
-        )
-
-
-class TinyFactory(Protocol):
-    """What the ``tiny`` fixture returns; the keywords go to :class:`IdempotencyMiddleware`."""
-
-    def __call__(self, store: Store, **kwargs: Any) -> Tiny: ...
-
-
 @pytest.fixture
 def tiny() -> TinyFactory:
-    """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
-
-    Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``
-    when the body has ``"wait": true``), ``POST /fail/{status}`` (answers that status),
-    ``POST /boom`` (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
-    """
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    from asgi_idempotency import IdempotencyMiddleware
-
-    def build(store: Store, **kwargs: Any) -> Tiny:
-        calls: dict[str, int] = {}
-        gate, entered = asyncio.Event(), asyncio.Event()
-
-        def count(name: str) -> None:
-            calls[name] = calls.get(name, 0) + 1
-
-        async def pay(request: Request) -> Response:
-            count("pay")
-            body = await request.body()
-            data = await request.json() if body else {}
-            if data.get("wait"):
-                entered.set()
-                await gate.wait()
-            return JSONResponse({"id": uuid.uuid4().hex, "echo": data}, status_code=201)
-
-        async def fail(request: Request) -> Response:
-            count("fail")
-            return JSONResponse(
-                {"n": calls["fail"]}, status_code=int(request.path_params["status"])
-            )
-
-        async def boom(request: Request) -> Response:
-            count("boom")
-            raise RuntimeError("handler failed")
-
-        async def get_pay(request: Request) -> Response:
-            count("get")
-            return JSONResponse({"ok": True})
-
-        async def cookie(request: Request) -> Response:
-            count("cookie")
-            response = JSONResponse({"n": calls["cookie"]})
-            response.set_cookie("session", "secret-session")
-            return response
-
-        app = Starlette(
-            routes=[
-                Route("/pay", pay, methods=["POST"]),
-                Route("/pay", get_pay, methods=["GET"]),
-                Route("/fail/{status:int}", fail, methods=["POST"]),
-                Route("/boom", boom, methods=["POST"]),
-                Route("/cookie", cookie, methods=["POST"]),
-            ],
-            middleware=[
-                Middleware(IdempotencyMiddleware, store=store, **{"principal": ANONYMOUS, **kwargs})
-            ],
-        )
-        return Tiny(app, calls, gate, entered)
-
-    return build
+    """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`tests.apps.Tiny` (see there)."""
+    return tiny_app

@@ -27,10 +27,8 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI, Header
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from asgi_idempotency import (
     IdempotencyMiddleware,
@@ -44,6 +42,7 @@ from asgi_idempotency import (
 from asgi_idempotency.core.waiting import POLL_FIRST, POLL_MAX, Waiters
 from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Record
+from tests.apps import guarded
 from tests.conftest import open_store
 from tests.http.test_garbage import ROUNDS as GARBAGE_ROUNDS
 from tests.http.test_garbage import Gate
@@ -95,14 +94,9 @@ class Handler:
 def build(store: Any, handler: Handler, wait: timedelta) -> Starlette:
     """One app: a middleware of its own, as one process has (its own waiters)."""
     policy = Policy(required=True, wait=wait, lease=timedelta(seconds=30))
-    return Starlette(
-        routes=[Route("/refunds", handler.endpoint, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware, store=store, principal=ANONYMOUS, retry_after=1.0,
-                policies={"POST /refunds": policy},
-            )
-        ],
+    return guarded(
+        store, handler.endpoint, path="/refunds", retry_after=1.0,
+        policies={"POST /refunds": policy},
     )  # fmt: skip
 
 
@@ -347,11 +341,9 @@ async def test_report_mode_does_not_wait(
 ) -> None:
     handler = Handler()
     policy = Policy(required=True, wait=LONG, mode="report")
-    app = Starlette(
-        routes=[Route("/refunds", handler.endpoint, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS,
-                               policies={"POST /refunds": policy})],
-    )  # fmt: skip
+    app = guarded(
+        MemoryStore(), handler.endpoint, path="/refunds", policies={"POST /refunds": policy}
+    )
     first = post(clients(app))
     await asyncio.wait_for(handler.started.wait(), 15)
     second = await asyncio.wait_for(post(clients(app)), 5)  # runs at once, unguarded answer

@@ -13,10 +13,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, SQLStore, StoredResponse
 from asgi_idempotency.client import derive_key
@@ -25,26 +23,19 @@ from asgi_idempotency.http.principals import from_headers
 from asgi_idempotency.observability.prometheus import PrometheusMetrics
 from asgi_idempotency.observability.regenerated import MARKER_TOKEN
 from asgi_idempotency.stores.base import NewClaim, Record, RecordStatus, Store
+from tests.apps import guarded
 from tests.conftest import StoreClock, emptied, redis_store
 
 pytestmark = pytest.mark.anyio
 
 
-def _app(store: Store | None = None, **guard: Any) -> Starlette:
-    async def refund(request: Request) -> Response:
-        return JSONResponse({"ok": True}, status_code=201)
+async def _refund(request: Request) -> Response:
+    return JSONResponse({"ok": True}, status_code=201)
 
-    return Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=MemoryStore() if store is None else store,
-                principal=from_headers("X-User-Id"),
-                **guard,
-            )
-        ],
-    )
+
+def _app(store: Store | None = None, **guard: Any) -> Starlette:
+    store = MemoryStore() if store is None else store
+    return guarded(store, _refund, path="/refunds", principal=from_headers("X-User-Id"), **guard)
 
 
 async def _attempts(app: Starlette, keys: list[str], user: str = "u1") -> None:
@@ -271,22 +262,8 @@ async def test_the_detector_costs_one_insert_per_executed_request_and_none_when_
     enabled: bool,
 ) -> None:
     store = Counting()
-
-    async def refund(request: Request) -> Response:
-        return JSONResponse({"ok": True}, status_code=201)
-
     window = timedelta(seconds=60) if enabled else None
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=from_headers("X-User-Id"),
-                detect_regenerated_keys=window,
-            )
-        ],
-    )
+    app = _app(store, detect_regenerated_keys=window)
     assert await _send(app, "k-1", "u1") == 201
     fresh = dict(store.calls)
     store.calls.clear()
@@ -307,22 +284,7 @@ async def test_a_store_failure_in_the_detector_lets_the_request_run(
                 raise StoreError("the database did not answer")
             return await super().insert(new)
 
-    store = MarkerFails()
-
-    async def refund(request: Request) -> Response:
-        return JSONResponse({"ok": True}, status_code=201)
-
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=from_headers("X-User-Id"),
-                detect_regenerated_keys=timedelta(seconds=60),
-            )
-        ],
-    )
+    app = _app(MarkerFails(), detect_regenerated_keys=timedelta(seconds=60))
     assert await _send(app, "k-1", "u1") == 201
     assert await _send(app, "k-1", "u1") == 201  # completed, so replayed
     assert any("idempotency.regenerated_check_failed" in r.getMessage() for r in caplog.records)
