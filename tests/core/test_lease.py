@@ -15,6 +15,7 @@ from asgi_idempotency.observability.observer import Observer
 from asgi_idempotency.stores.base import NewClaim, Store, utcnow
 from asgi_idempotency.stores.memory import MemoryStore
 from tests.conftest import TinyFactory
+from tests.timing import UNIT, seconds
 
 EVERY = 0.05  # seconds between renewals: short, so the tests wait little
 LEASE = timedelta(seconds=1)
@@ -148,10 +149,11 @@ def test_the_schedule_follows_the_app_to_a_new_event_loop() -> None:
 
 @pytest.mark.anyio
 async def test_a_handler_outliving_its_ttl_runs_once(store: Store, tiny: TinyFactory) -> None:
-    # Real time, every store: ttl 2 s, lease 1 s (renewed every third of it), a 3 s
-    # handler. A duplicate at 2.5 s is past the claim's ttl but within its renewed
-    # lease: 409, never a second run (Redis must not drop the key at its TTL either).
-    policy = Policy(required=True, ttl=timedelta(seconds=2), lease=timedelta(seconds=1))
+    # Real time, every store: ttl 2 units, lease 1 (renewed every third of it), a
+    # handler of 3. A duplicate at 2.5 units is past the claim's ttl but within its
+    # renewed lease: 409, never a second run (Redis must not drop the key at its TTL
+    # either). Real time on the caller's clock too: the renewals run on the loop's timer.
+    policy = Policy(required=True, ttl=2 * UNIT, lease=UNIT)
     app = tiny(store, policies={"POST /pay": policy})
     headers = {"Idempotency-Key": "outlives-ttl"}
     body = {"wait": True}
@@ -159,12 +161,14 @@ async def test_a_handler_outliving_its_ttl_runs_once(store: Store, tiny: TinyFac
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = asyncio.ensure_future(client.post("/pay", json=body, headers=headers))
-        await asyncio.wait_for(app.entered.wait(), 2)
-        await asyncio.sleep(started + 2.5 - loop.time())
+        await asyncio.wait_for(app.entered.wait(), 10)
+        await asyncio.sleep(started + seconds(2.5) - loop.time())
         # A second run would wait on the gate too: bounded, it fails here instead.
-        duplicate = await asyncio.wait_for(client.post("/pay", json=body, headers=headers), 2)
+        duplicate = await asyncio.wait_for(
+            client.post("/pay", json=body, headers=headers), seconds(2)
+        )
         assert duplicate.status_code == 409
-        await asyncio.sleep(started + 3 - loop.time())
+        await asyncio.sleep(started + seconds(3) - loop.time())
         app.gate.set()
         assert (await first).status_code == 201
         replay = await client.post("/pay", json=body, headers=headers)
