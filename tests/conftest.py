@@ -62,9 +62,12 @@ if os.environ.get("CI"):
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
-def worker_name(prefix: str) -> str:
-    """A name of this worker's own on a shared server: ``{prefix}_{worker}_{random}``."""
-    return f"{prefix}_{WORKER}_{uuid.uuid4().hex[:12]}"
+def worker_name(prefix: str, sep: str = "_") -> str:
+    """A name of this worker's own on a shared server: ``{prefix}_{worker}_{random}``.
+
+    Databases take ``_``; RabbitMQ queues and NATS streams take ``sep="-"``.
+    """
+    return sep.join((prefix, WORKER, uuid.uuid4().hex[:12]))
 
 
 NO_POSTGRES = (
