@@ -18,8 +18,6 @@ from typing import Any, Literal, NamedTuple
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -28,8 +26,8 @@ from asgi_idempotency import IdempotencyMiddleware, Once, Policy
 from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
 from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.functions.once import record_key
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, RecordStatus, Store
+from tests.apps import guarded
 from tests.conftest import open_store
 
 pytestmark = pytest.mark.anyio
@@ -165,15 +163,11 @@ def over_http(store: Faults, handler: Handler, wait: timedelta | None) -> Column
         data = await request.json()
         return JSONResponse(await handler(data["amount"]), status_code=201)
 
-    app = Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware, store=store, principal=ANONYMOUS,
-                policies={"POST /pay": Policy(lease=LEASE, wait=wait)},
-            )
-        ],
-    )  # fmt: skip
+    app = guarded(
+        store,
+        [Route("/pay", pay, methods=["POST"])],
+        policies={"POST /pay": Policy(lease=LEASE, wait=wait)},
+    )
     # raise_app_exceptions=False: the handler's error is the server's 500, as served.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
 

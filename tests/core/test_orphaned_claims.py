@@ -17,18 +17,16 @@ from typing import Any, Literal
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, Once
+from asgi_idempotency import Once
 from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.functions.once import record_key
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, Store
 from asgi_idempotency.stores.memory import MemoryStore
+from tests.apps import guarded
 
 pytestmark = pytest.mark.anyio
 
@@ -69,10 +67,7 @@ async def test_a_request_cancelled_during_its_claim_leaves_the_key_free(store: S
         return JSONResponse({"refund": runs}, status_code=201)
 
     hanging = LandsThenHangs(store)
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=hanging, principal=ANONYMOUS)],
-    )
+    app = guarded(hanging, [Route("/refunds", refund, methods=["POST"])])
     headers = {"idempotency-key": "order-7"}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://shop.test"
@@ -143,15 +138,11 @@ async def test_a_request_cancelled_between_its_claim_and_its_handler_leaves_the_
         return JSONResponse({"refund": runs}, status_code=201)
 
     hanging = MarkerHangs(store)
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware, store=hanging, principal=ANONYMOUS,
-                detect_regenerated_keys=timedelta(seconds=60),
-            )
-        ],
-    )  # fmt: skip
+    app = guarded(
+        hanging,
+        [Route("/refunds", refund, methods=["POST"])],
+        detect_regenerated_keys=timedelta(seconds=60),
+    )
     headers = {"idempotency-key": "order-8"}
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://shop.test"

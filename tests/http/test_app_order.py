@@ -17,6 +17,7 @@ from starlette.routing import Route
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
 from asgi_idempotency.http.capture import storable_headers
 from asgi_idempotency.http.principals import ANONYMOUS
+from tests.apps import guarded
 from tests.helpers.lifespan import refuses, served
 
 pytestmark = pytest.mark.anyio
@@ -103,10 +104,7 @@ async def test_a_replay_never_sends_a_coding_the_retry_did_not_accept() -> None:
             media_type="application/json",
         )
 
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Route("/refunds", refund, methods=["POST"])])
     async with served(app) as c:
         first = await c.post(
             "/refunds", headers={"Idempotency-Key": "k", "Accept-Encoding": "gzip"}

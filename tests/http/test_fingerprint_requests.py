@@ -13,15 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
-from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency import MemoryStore, Policy
+from tests.apps import guarded
 
 pytestmark = pytest.mark.anyio
 
@@ -51,19 +49,13 @@ class Uploads:
             self.runs += 1
             return JSONResponse({"id": uuid.uuid4().hex, "got": await request.json()}, 201)
 
-        self.app = Starlette(
-            routes=[
+        self.app = guarded(
+            MemoryStore(),
+            [
                 Route("/upload", upload, methods=["POST"]),
                 Route("/events", events, methods=["POST"]),
             ],
-            middleware=[
-                Middleware(
-                    IdempotencyMiddleware,
-                    store=MemoryStore(),
-                    principal=ANONYMOUS,
-                    policies=self.policies,
-                )
-            ],
+            policies=self.policies,
         )
 
     def client(self) -> httpx.AsyncClient:

@@ -12,7 +12,6 @@ import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
@@ -21,6 +20,7 @@ from starlette.types import ASGIApp
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, idempotent
 from asgi_idempotency.http.policy import policy_of
 from asgi_idempotency.http.principals import ANONYMOUS
+from tests.apps import guarded
 
 pytestmark = pytest.mark.anyio
 
@@ -147,10 +147,7 @@ async def test_starlette_mounts_resolve_with_their_prefix() -> None:
         return JSONResponse({"n": len(calls)}, status_code=201)
 
     api = Starlette(routes=[Route("/accounts/{acct}/pay", pay, methods=["POST"])])
-    app = Starlette(
-        routes=[Mount("/api", routes=[Mount("/v2", app=api)])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Mount("/api", routes=[Mount("/v2", app=api)])])
     async with client(app) as c:
         assert (await c.post("/api/v2/accounts/a/pay")).status_code == 400
         first = await c.post("/api/v2/accounts/a/pay", headers={"Idempotency-Key": "m"})
@@ -233,10 +230,7 @@ async def test_routes_added_after_the_first_request_are_resolved() -> None:
     async def early(request: Request) -> JSONResponse:
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(
-        routes=[Route("/early", early, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Route("/early", early, methods=["POST"])])
     async with client(app) as c:
         assert (await c.post("/late")).status_code == 404
         app.router.routes.append(Route("/late", late, methods=["POST"]))
@@ -256,14 +250,14 @@ async def test_host_routes_resolve_by_host_every_time() -> None:
 
         return handle
 
-    app = Starlette(
-        routes=[
+    app = guarded(
+        MemoryStore(),
+        [
             Host(
                 "strict.example", app=Router([Route("/pay", endpoint("strict"), methods=["POST"])])
             ),
             Host("lax.example", app=Router([Route("/pay", endpoint("lax"), methods=["POST"])])),
         ],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
     )
     async with client(app) as c:
         lax = await c.post("http://lax.example/pay")
@@ -282,10 +276,7 @@ async def test_routes_added_inside_a_mount_after_the_first_request_are_resolved(
     async def early(request: Request) -> JSONResponse:
         return JSONResponse({}, status_code=201)
 
-    app = Starlette(
-        routes=[Mount("/api", routes=[Route("/early", early, methods=["POST"])])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Mount("/api", routes=[Route("/early", early, methods=["POST"])])])
     async with client(app) as c:
         assert (await c.post("/api/late")).status_code == 404
         mount = app.router.routes[0]

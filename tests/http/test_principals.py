@@ -59,6 +59,7 @@ from asgi_idempotency.http.principals import (
     from_session,
     from_user,
 )
+from tests.apps import guarded
 from tests.helpers.lifespan import refuses, served
 
 pytestmark = pytest.mark.anyio
@@ -664,16 +665,8 @@ async def test_a_guarded_sub_app_in_a_guarded_app_runs_once_and_replays() -> Non
         effects.runs.append("run")
         return JSONResponse({"refund": len(effects.runs)}, status_code=201)
 
-    inner = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
-    )
-    outer = Starlette(
-        routes=[Mount("/api", inner)],
-        middleware=[
-            Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS, methods=("POST",))
-        ],
-    )
+    inner = guarded(store, [Route("/refunds", refund, methods=["POST"])])
+    outer = guarded(store, [Mount("/api", inner)], methods=("POST",))
     async with served(outer) as c:
         first = await c.post("/api/refunds", json=BODY, headers={"Idempotency-Key": KEY})
         again = await c.post("/api/refunds", json=BODY, headers={"Idempotency-Key": KEY})
@@ -798,18 +791,7 @@ def _mounted(
         mount = Host("billing.example", Starlette(routes=routes, middleware=[inner_guard]))
     else:
         mount = Mount("/billing", routes=routes, middleware=[inner_guard])
-    return Starlette(
-        routes=[mount],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=effects.store,
-                principal=ANONYMOUS,
-                metrics=effects.outer,
-                policies=outer_policies,
-            )
-        ],
-    )
+    return guarded(effects.store, [mount], metrics=effects.outer, policies=outer_policies)
 
 
 async def test_a_mounted_app_s_own_guard_decides_with_its_principal() -> None:

@@ -10,14 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asgi_idempotency import (
-    IdempotencyMiddleware,
     MemoryStore,
     Policy,
     SQLStore,
@@ -25,7 +22,7 @@ from asgi_idempotency import (
     StoreError,
 )
 from asgi_idempotency.http.asgi import Message
-from asgi_idempotency.http.principals import ANONYMOUS
+from tests.apps import guarded
 from tests.conftest import TinyFactory
 
 pytestmark = pytest.mark.anyio
@@ -57,10 +54,7 @@ async def test_a_failed_background_completion_is_logged_with_its_route_and_key_d
         return JSONResponse({"ok": True}, status_code=201)
 
     store = CompletionFails()
-    app = Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
-    )
+    app = guarded(store, [Route("/pay", pay, methods=["POST"])])
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
         "scheme": "http", "path": "/pay", "raw_path": b"/pay", "query_string": b"",

@@ -12,7 +12,6 @@ import httpx
 import pytest
 from sqlalchemy import event, func, insert, select, text
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,6 +21,7 @@ from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStor
 from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.integrations.transactional import get_connection, get_session
 from asgi_idempotency.ops.demo import kill_after_write, refunds
+from tests.apps import guarded
 from tests.conftest import truncate
 from tests.helpers.serving import run_uvicorn
 
@@ -87,17 +87,11 @@ def tx_app(
             await asyncio.sleep(body["wait"])
         return JSONResponse({"refund": f"r{len(calls)}"}, status_code=201)
 
-    return Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=ANONYMOUS,
-                policies={"POST /refunds": TX},
-                mode=mode,
-            )
-        ],
+    return guarded(
+        store,
+        [Route("/refunds", refund, methods=["POST"])],
+        policies={"POST /refunds": TX},
+        mode=mode,
     )
 
 
@@ -256,10 +250,7 @@ async def test_decorated_transactional_route_fails_lifespan_startup_on_sqlite(
         return Response()
 
     store = SQLStore(sqlite_url)
-    app = Starlette(
-        routes=[Route("/x", endpoint, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
-    )
+    app = guarded(store, [Route("/x", endpoint, methods=["POST"])])
     sent: list[Message] = []
     messages = iter([{"type": "lifespan.startup"}])
 

@@ -23,14 +23,11 @@ import orjson
 import pytest
 import standardwebhooks
 import stripe as stripe_sdk
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy
-from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency import MemoryStore, Policy
 from asgi_idempotency.integrations.webhooks import (
     DeliveryKey,
     from_header,
@@ -39,6 +36,7 @@ from asgi_idempotency.integrations.webhooks import (
     stripe,
 )
 from asgi_idempotency.stores.base import Store
+from tests.apps import guarded
 
 pytestmark = pytest.mark.anyio
 
@@ -80,16 +78,10 @@ class Receiver:
                 return JSONResponse({"error": "db down"}, status_code=500)
             return JSONResponse({"received": len(self.runs)})
 
-        self.app = Starlette(
-            routes=[Route("/hooks", receive, methods=["POST"])],
-            middleware=[
-                Middleware(
-                    IdempotencyMiddleware,
-                    store=MemoryStore(),
-                    principal=ANONYMOUS,
-                    policies={"POST /hooks": Policy(key_from=key_from)},
-                )
-            ],
+        self.app = guarded(
+            MemoryStore(),
+            [Route("/hooks", receive, methods=["POST"])],
+            policies={"POST /hooks": Policy(key_from=key_from)},
         )
 
     def client(self) -> httpx.AsyncClient:
@@ -185,22 +177,16 @@ async def test_delivery_ids_are_scoped_per_sender() -> None:
         runs.append(request.url.path)
         return JSONResponse({"ok": True})
 
-    app = Starlette(
-        routes=[
+    app = guarded(
+        store,
+        [
             Route("/a", receive, methods=["POST"]),
             Route("/b", receive, methods=["POST"]),
         ],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=ANONYMOUS,
-                policies={
-                    "POST /a": Policy(key_from=from_header("X-Delivery", sender="a")),
-                    "POST /b": Policy(key_from=from_header("X-Delivery", sender="b")),
-                },
-            )
-        ],
+        policies={
+            "POST /a": Policy(key_from=from_header("X-Delivery", sender="a")),
+            "POST /b": Policy(key_from=from_header("X-Delivery", sender="b")),
+        },
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
@@ -250,16 +236,10 @@ class Endpoints:
             self.runs.append((str(request.url.path), await request.body()))
             return JSONResponse({"received": len(self.runs)})
 
-        self.app = Starlette(
-            routes=[Route(path, receive, methods=["POST"]) for path in policies],
-            middleware=[
-                Middleware(
-                    IdempotencyMiddleware,
-                    store=store or MemoryStore(),
-                    principal=ANONYMOUS,
-                    policies={f"POST {path}": policy for path, policy in policies.items()},
-                )
-            ],
+        self.app = guarded(
+            store or MemoryStore(),
+            [Route(path, receive, methods=["POST"]) for path in policies],
+            policies={f"POST {path}": policy for path, policy in policies.items()},
         )
 
     def client(self) -> httpx.AsyncClient:

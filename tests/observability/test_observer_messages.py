@@ -17,15 +17,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.sql.store import SQLStore
+from tests.apps import guarded
 from tests.conftest import PgServer
 
 pytestmark = pytest.mark.anyio
@@ -59,10 +56,7 @@ async def _post(url: str) -> httpx.Response:
         return JSONResponse({"ok": True}, status_code=201)
 
     store = SQLStore(url, command_timeout=2)
-    app = Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=store, principal=ANONYMOUS)],
-    )
+    app = guarded(store, [Route("/pay", pay, methods=["POST"])])
     try:
         transport = httpx.ASGITransport(app=app)  # no lifespan: checked on the request
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -6,14 +6,12 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Outcome
-from asgi_idempotency.http.principals import ANONYMOUS
+from tests.apps import guarded
 
 pytestmark = pytest.mark.anyio
 
@@ -23,10 +21,7 @@ async def pay(request: Request) -> JSONResponse:
 
 
 async def test_counts_outcomes_by_default_and_reports_rates() -> None:
-    app = Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Route("/pay", pay, methods=["POST"])])
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         key = {"Idempotency-Key": "k-1"}

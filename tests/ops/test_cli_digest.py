@@ -12,15 +12,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, NewClaim, Policy, SQLStore
+from asgi_idempotency import NewClaim, Policy, SQLStore
 from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.stores.base import utcnow
+from tests.apps import guarded
 
 SCRIPT = Path(sys.executable).parent / "asgi-idempotency"
 
@@ -43,16 +42,11 @@ async def _serve_twice(url: str, key: str, principal: str) -> None:
         return JSONResponse({"ok": True}, status_code=201)
 
     store = SQLStore(url)
-    app = Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                policies={"POST /pay": Policy(required=True)},
-                principal=lambda scope: principal,
-            )
-        ],
+    app = guarded(
+        store,
+        [Route("/pay", pay, methods=["POST"])],
+        policies={"POST /pay": Policy(required=True)},
+        principal=lambda scope: principal,
     )
     try:
         transport = httpx.ASGITransport(app=app)

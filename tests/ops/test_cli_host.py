@@ -14,14 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, Policy, SQLStore
+from asgi_idempotency import Policy, SQLStore
 from asgi_idempotency.ops.cli import Exit, main
+from tests.apps import guarded
 
 KEY = "refund-7f3a"
 PRINCIPAL = "user-42"
@@ -34,16 +33,11 @@ async def _refund(url: str, base_url: str, headers: dict[str, str]) -> None:
         return JSONResponse({"refund": 1}, status_code=201)
 
     store = SQLStore(url)
-    app = Starlette(
-        routes=[Route("/refunds", refund, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                policies={"POST /refunds": Policy(required=True)},
-                principal=lambda scope: PRINCIPAL,
-            )
-        ],
+    app = guarded(
+        store,
+        [Route("/refunds", refund, methods=["POST"])],
+        policies={"POST /refunds": Policy(required=True)},
+        principal=lambda scope: PRINCIPAL,
     )
     try:
         transport = httpx.ASGITransport(app=app)

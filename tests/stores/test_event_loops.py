@@ -20,14 +20,13 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
-from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency import MemoryStore, Policy, SQLStore
 from asgi_idempotency.stores.base import Store
+from tests.apps import guarded
 from tests.conftest import PgServer, _prepare
 
 with warnings.catch_warnings():
@@ -49,17 +48,7 @@ def _app(store: Store, calls: list[int]) -> Starlette:
         calls.append(1)
         return JSONResponse({"paid": len(calls)}, status_code=201)
 
-    return Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=ANONYMOUS,
-                policies={"POST /pay": Policy()},
-            )
-        ],
-    )
+    return guarded(store, [Route("/pay", pay, methods=["POST"])], policies={"POST /pay": Policy()})
 
 
 @pytest.fixture(scope="module")
