@@ -35,6 +35,7 @@ from asgi_idempotency.testing import StoreClock as StoreClock  # where tests imp
 from tests.apps import Tiny as Tiny  # where tests imported it from
 from tests.apps import TinyFactory as TinyFactory
 from tests.apps import tiny_app
+from tests.timing import UNIT as UNIT  # importing it sets StoreClock.shared_unit for the suite
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
