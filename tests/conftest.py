@@ -111,19 +111,39 @@ pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 # Tests that must not share the machine with each other: real uvicorn workers under
 # load, app servers under libfaketime's skewed clocks, bounds on how long an answer takes.
-# One xdist group keeps them on one worker, one after another (the other worker runs the
-# rest meanwhile), and lets them share that worker's demo servers (session fixtures).
+# They form one group that one worker runs one after another (the other workers run the
+# rest meanwhile); the group shares that worker's demo servers (session fixtures). Node id
+# prefixes, as the scheduler sees only node ids.
 SERIAL_GROUP = "real-processes"
-SERIAL_PATHS = ("reliability/",)
+SERIAL = (
+    "tests/reliability/",
+    "tests/stores/test_mariadb.py::test_a_statement_blocked_on_a_row_lock_is_a_store_error",
+    "tests/stores/test_sqlite_timeout.py::test_a_locked_database_answers_503_within_command",
+    "tests/stores/test_redis.py::test_a_hung_server_is_a_store_error_within_the_command_timeout",
+    "tests/stores/test_sql_pool.py::test_a_wait_for_a_busy_pool_ends_at_the_timeout",
+    "tests/ops/test_cli_newcomer.py::test_prune_pauses_between_batches_never_after_the_last",
+    "tests/integrations/test_transactional_race.py::test_mariadb_a_rival_holding_the_row_answers",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = Path(__file__).resolve().parent
-    for item in items:
-        where = item.path.resolve().relative_to(tests).as_posix()
-        if where.startswith(SERIAL_PATHS) or item.get_closest_marker("serial"):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (the default, pyproject.toml), with :data:`SERIAL` as one group.
+
+    pytest-xdist's own loadgroup reads ``xdist_group`` marks by renaming node ids, which
+    pytest 9 no longer lets it do (every test then runs wherever it lands): the scheduler
+    here groups by node id instead, and still honours ``@group`` ids where xdist sets them.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(SERIAL):
+                return SERIAL_GROUP
+            return str(super()._split_scope(nodeid))
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -296,7 +296,6 @@ MCOLUMNS = COLUMNS.replace("key,", "`key`,", 1)  # a reserved word in MariaDB
 _MINSERT = f"INSERT INTO idempotency_records ({MCOLUMNS}) VALUES ({', '.join(['%s'] * 10)})"
 
 
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 @pytest.mark.mariadb
 @pytest.mark.parametrize("status", ["in_progress", "completed"])
 @pytest.mark.parametrize("rival_write", ["insert", "take-over"])

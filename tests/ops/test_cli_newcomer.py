@@ -170,7 +170,6 @@ PAUSE = 1.0
         (1, ["--batch-size", "2"], 0),  # one short batch: nothing to pause between
     ],
 )
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 def test_prune_pauses_between_batches_never_after_the_last(
     pg_url: str, rows: int, argv: list[str], pauses: int, capsys: pytest.CaptureFixture[str]
 ) -> None:

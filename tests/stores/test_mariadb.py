@@ -164,7 +164,6 @@ async def test_what_insert_ignore_would_truncate_is_refused(
     assert count == 0
 
 
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 async def test_a_statement_blocked_on_a_row_lock_is_a_store_error_and_never_commits(
     mariadb_url: str, mstore: SQLStore
 ) -> None:

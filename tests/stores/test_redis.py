@@ -260,7 +260,6 @@ async def test_an_unreachable_server_is_a_store_error_and_a_503(
         await store.close()
 
 
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 async def test_a_hung_server_is_a_store_error_within_the_command_timeout(
     tmp_path: Path, tiny: Any
 ) -> None:

@@ -71,7 +71,6 @@ async def test_the_rest_of_the_pool_stays_free_for_other_work(small: SQLStore) -
     assert set(await storm) == {ClaimOutcome.CLAIMED}
 
 
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 async def test_a_wait_for_a_busy_pool_ends_at_the_timeout_and_leaks_nothing(pg_url: str) -> None:
     store = SQLStore(pg_url, pool_size=1, command_timeout=1, batching=False)
     await truncate(store)

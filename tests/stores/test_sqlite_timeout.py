@@ -13,7 +13,6 @@ from tests.conftest import TinyFactory
 pytestmark = pytest.mark.anyio
 
 
-@pytest.mark.serial  # bounds how long an answer takes: never beside another timing test
 @pytest.mark.parametrize("prepared", [True, False], ids=["hot-path", "first-start"])
 async def test_a_locked_database_answers_503_within_command_timeout(
     sqlite_url: str, tiny: TinyFactory, prepared: bool
