@@ -255,15 +255,23 @@ def start_cluster(directory: Path, *, replicas: bool = True) -> RedisCluster:
     nodes: list[RedisServer] = []
     try:
         for i in range(6 if replicas else 3):
-            node = RedisServer(
-                _free_port(bus=True),
-                directory / f"node{i}",
-                # No 5 s wait before a replica's first sync: a replica that never synced
-                # would refuse to take over from a dead primary.
-                extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                       "--cluster-node-timeout", "1000", "--repl-diskless-sync-delay", "0"),
-            )  # fmt: skip
-            node.start()
+            # A few tries, as start_server makes: another test process (an xdist worker
+            # starting its own cluster) may take the port, or its bus port, meanwhile.
+            for attempt in range(3):
+                node = RedisServer(
+                    _free_port(bus=True),
+                    directory / f"node{i}",
+                    # No 5 s wait before a replica's first sync: a replica that never
+                    # synced would refuse to take over from a dead primary.
+                    extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                           "--cluster-node-timeout", "1000", "--repl-diskless-sync-delay", "0"),
+                )  # fmt: skip
+                try:
+                    node.start()
+                    break
+                except RuntimeError:
+                    if attempt == 2:
+                        raise
             nodes.append(node)
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
