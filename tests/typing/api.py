@@ -8,7 +8,7 @@ of them starts to type-check (a duration that takes a bare number again, a store
 passed positionally, a sync transport wrapped in the async one).
 
 Every name of ``asgi_idempotency.__all__`` and ``asgi_idempotency.client.__all__``
-is imported here, from the package as a user imports it (tests/test_public_api.py
+is imported here, from the package as a user imports it (tests/project/test_public_api.py
 keeps that so). Not a test module: pytest collects ``test_*.py`` only, and importing
 this one only defines functions.
 """
