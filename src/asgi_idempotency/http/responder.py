@@ -86,7 +86,7 @@ class GuardedRequest(NamedTuple):
 
 class Runtime:
     """What every request of one middleware shares: the runner (the store, the clock, the
-    settings), the app and the regenerated-key detector."""
+    settings), the app, the service's namespace and the regenerated-key detector."""
 
     __slots__ = ("app", "namespace", "regenerated", "runner")
 
@@ -99,12 +99,13 @@ class Runtime:
         fail_open: bool,
         retry_after: float,
         observer: Observer,
+        namespace: str = "",
     ) -> None:
         self.runner = Runner(
             store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
         )
         self.app = app
-        self.namespace = ""  # the service's namespace in every key ("": none)
+        self.namespace = namespace  # the service's namespace in every key ("": none)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
 
