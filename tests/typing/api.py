@@ -217,6 +217,9 @@ def middleware(store: Store) -> IdempotencyMiddleware:
         inner, store=store, principal=from_dependency(lambda: "alice", identity="username")
     )
     IdempotencyMiddleware(inner, store=store, principal=from_user(identity="username"))
+    named = IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, namespace="billing")
+    assert_type(named.namespace, str | None)
+    IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, namespace=b"x")  # type: ignore[arg-type]  # a str
     from_user(identity=3)  # type: ignore[arg-type]  # a function or an attribute name
     from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required
