@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
 
@@ -38,7 +39,8 @@ async def test_the_index_outlives_a_record_completed_after_its_claim(rstore: Red
     index_ttl = await rstore.client.pttl(index_name)
     assert 0 < record_ttl <= index_ttl, (record_ttl, index_ttl)
     # The entry itself is trimmed only once past its score: never before the record's end.
-    (member,) = await rstore.client.zrange(index_name, 0, -1)
+    (member,) = cast(list[bytes], await rstore.client.zrange(index_name, 0, -1))
     score = await rstore.client.zscore(index_name, member)
-    expires = int((await rstore.client.hget(record_name, "e")).decode())
-    assert score >= expires, (score, expires)
+    expires = cast(bytes, await rstore.client.hget(record_name, "e"))
+    assert score is not None
+    assert score >= int(expires), (score, expires)
