@@ -67,3 +67,36 @@ def test_counts_are_pluralised(tmp_path: Path) -> None:
     assert plural(1, "request") == "1 request"
     assert plural(0, "request") == "0 requests"
     assert plural(1500, "expired record") == "1,500 expired records"
+
+
+def test_inspect_says_one_byte(tmp_path: Path) -> None:
+    import asyncio
+    from datetime import UTC, datetime, timedelta
+
+    from asgi_idempotency import SQLStore
+    from asgi_idempotency.core import lifecycle
+    from asgi_idempotency.core.keys import scoped_key
+    from asgi_idempotency.stores.base import StoredResponse
+
+    url = f"sqlite:///{tmp_path / 'one.db'}"
+    key = scoped_key("", "k-1")
+
+    async def seed() -> None:
+        store = SQLStore(url)
+        try:
+            await store.prepare()
+            now, ttl = datetime.now(UTC), timedelta(hours=1)
+            await lifecycle.claim(
+                store, key, "f" * 64, "t" * 32, now=now, lease=timedelta(seconds=30), ttl=ttl
+            )
+            done = await store.complete(
+                key, "t" * 32, StoredResponse(201, (), b"1"), now=now, ttl=ttl
+            )
+            assert done
+        finally:
+            await store.close()
+
+    asyncio.run(seed())
+    out = io.StringIO()
+    assert commands.inspect("k-1", url, out=out) == Exit.OK
+    assert "201 (1 byte stored)" in out.getvalue()

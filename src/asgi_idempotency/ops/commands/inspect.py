@@ -23,6 +23,7 @@ from asgi_idempotency.ops.commands._common import (
     iso,
     namespace_of,
     output,
+    plural,
     require_url,
     with_store,
 )
@@ -233,7 +234,9 @@ def _show(out: TextIO, digest: str, record: Any, as_json: bool) -> None:
         ("fingerprint", record.request_hash),
         (
             "response",
-            "-" if response is None else f"{response.status} ({len(response.body):,} bytes stored)",
+            "-"
+            if response is None
+            else f"{response.status} ({plural(len(response.body), 'byte')} stored)",
         ),
     ]
     for label, value in lines:
