@@ -131,3 +131,15 @@ async def test_check_app_takes_expect_wait_in_process() -> None:
     assert report.result("in-flight-wait").outcome is Outcome.PASS, report.table()
     report = await check_app(app, "/answers-409", **options)
     assert report.result("in-flight-wait").outcome is Outcome.FAIL, report.table()
+
+
+@pytest.mark.slow
+def test_the_report_never_prints_the_urls_credentials(
+    capsys: pytest.CaptureFixture[str], waiting: UvicornProcess
+) -> None:
+    url = waiting.base_url.replace("http://", "http://alice:s3cret@") + "/waits"
+    assert main(["check", url, *BODY, "--max-requests", "1"]) == Exit.OK
+    out = capsys.readouterr().out
+    assert f"to {waiting.base_url}/waits" in out
+    assert "alice" not in out
+    assert "s3cret" not in out

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
 
     raise missing_extra("asgi_idempotency.ops.check", "httpx", "client") from exc
 
-from asgi_idempotency.ops.check_client import CheckOptions, Sender, derive_other_body
+from asgi_idempotency.ops.check_client import CheckOptions, Sender, derive_other_body, shown
 from asgi_idempotency.ops.check_report import CHECKS, WAIT_CHECK, CheckResult, Outcome, Report
 from asgi_idempotency.ops.checks import SINGLE, Facts, first_request, missing_input, needs, replay
 
@@ -98,4 +98,5 @@ async def run_checks(client: httpx.AsyncClient, options: CheckOptions) -> Report
             )
             if name == "replay":
                 not_run("replay-marked", "the retry got no answer")
-    return Report(options.url, tuple(results), s.sent, options.max_requests, f.unreachable)
+    url = shown(options.url)  # the report never prints a user name or password
+    return Report(url, tuple(results), s.sent, options.max_requests, f.unreachable)

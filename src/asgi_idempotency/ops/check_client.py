@@ -33,6 +33,7 @@ __all__ = [
     "is_ok",
     "origin",
     "said",
+    "shown",
     "unreachable_reason",
 ]
 
@@ -119,6 +120,11 @@ def unreachable_reason(exc: httpx.TransportError) -> str:
     if isinstance(exc, httpx.ConnectTimeout):
         return "no connection within the request timeout"
     return f"no connection ({type(exc).__name__})"
+
+
+def shown(url: str) -> str:
+    """``url`` as a report may print it: without a user name or password."""
+    return str(httpx.URL(url).copy_with(userinfo=b""))
 
 
 def origin(url: str) -> str:

@@ -25,6 +25,7 @@ from asgi_idempotency.ops.check_client import (
     is_marked,
     is_ok,
     said,
+    shown,
     unreachable_reason,
 )
 from asgi_idempotency.ops.check_report import WAIT_CHECK, CheckResult, Outcome
@@ -57,7 +58,7 @@ async def first_request(s: Sender, o: CheckOptions, f: Facts) -> CheckResult:
     try:
         r = await s.send(o.method, o.url, key=f.first_key)
     except httpx.TransportError as exc:
-        detail = f"could not reach {o.url}: {type(exc).__name__}: {exc}"
+        detail = f"could not reach {shown(o.url)}: {type(exc).__name__}: {exc}"
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             f.unreachable = f"{s.origin}: {unreachable_reason(exc)}"
         return _result("first-request", Outcome.FAIL, detail, s.sent - before)
