@@ -179,11 +179,19 @@ class DeadLetter:
         self._log(key, body, error, f"no on_exhausted: {self.otherwise}")
 
     def _failed(self, key: str, body: str, error: BaseException) -> None:
+        # With its traceback: the error is the user's on_exhausted's, theirs to read.
+        event = "idempotency.hand_off_failed"
+        fields = {
+            "route": self.namespace,
+            "key_digest": record_key(self.namespace, key)[:16],
+            "body_digest": body[:16],
+            "reason": _reason(error),
+        }
+        shown = " ".join(f"{name}={value}" for name, value in fields.items())
         logger.exception(
-            "idempotency.hand_off_failed route=%s key_digest=%s body_digest=%s reason=%s "
-            "-- on_exhausted raised: the message is requeued and handed off on its next "
-            "delivery",
-            self.namespace, record_key(self.namespace, key)[:16], body[:16], _reason(error),
+            "%s %s -- on_exhausted raised: the message is requeued and handed off on its "
+            "next delivery",
+            event, shown, extra={"event": event, **fields},
         )  # fmt: skip
 
     def _log(self, key: str, body: str, error: BaseException, done: str) -> None:
