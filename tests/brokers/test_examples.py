@@ -12,6 +12,7 @@ whole.
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import re
 import subprocess
@@ -20,7 +21,6 @@ import uuid
 from pathlib import Path
 
 import aio_pika
-import kombu.connection
 import pytest
 
 from tests.brokers.processes import ROOT, Consumer
@@ -140,8 +140,14 @@ def test_the_examples_run_one_after_another_each_issue_their_refunds(
 
 def delete_queue(amqp_url: str, queue: str) -> None:
     """Delete the test's own queue (the example leaves its queue in place)."""
-    with kombu.connection.Connection(amqp_url) as connection:
-        connection.default_channel.queue_delete(queue)
+
+    async def delete() -> None:
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.queue_delete(queue)
+
+    asyncio.run(delete())
 
 
 @pytest.mark.rabbitmq
