@@ -47,9 +47,9 @@ __all__ = [
     "Undecodable",
     "arguments_digest",
     "body_digest",
+    "cannot_run",
     "check_attempts",
     "check_lease",
-    "cannot_run",
 ]
 
 logger = logging.getLogger("asgi_idempotency")
