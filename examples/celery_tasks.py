@@ -17,24 +17,29 @@ from asgi_idempotency import Once, SQLStore
 from asgi_idempotency.integrations.celery import CeleryGuard
 
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-app = Celery("refunds", broker=AMQP_URL, backend="rpc://")
-app.conf.task_default_queue = os.environ.get("REFUNDS_QUEUE", "refunds")
+app = Celery("example-refunds", broker=AMQP_URL, backend="rpc://")
+# Names of this example's own: its queue (Celery declares it), its task name (the
+# namespace of its keys), its SQLite file and ledger, so each example issues its own.
+app.conf.task_default_queue = os.environ.get("REFUNDS_QUEUE", "asgi-idempotency-example-celery")
 app.conf.worker_prefetch_multiplier = 1  # a worker holds one unacknowledged task at a time
-store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", "sqlite+aiosqlite:///./refunds.db"))
+DATABASE_URL = "sqlite+aiosqlite:///./celery_example.db"
+store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", DATABASE_URL))
 # The lease must be shorter than RabbitMQ's consumer_timeout (30 minutes by default).
 once = Once(store, ttl=timedelta(days=1), lease=timedelta(seconds=30))
 
 
 def dead_letter(task: Task[Any, Any], error: BaseException) -> None:
-    print(f"dead letter: {task.request.id}: {error}")  # e.g. a row in a parking table
+    # Called once per task the guard cannot run (KeyReused: its id was used before with
+    # other arguments; Undecodable) or gave up on (its retries spent).
+    print(f"dead letter: {task.request.id}: {error!r}")  # e.g. a row in a parking table
 
 
 guard = CeleryGuard(once, app, on_exhausted=dead_letter)
 
 
-@guard.task(name="refunds.issue", max_retries=3)  # acks_late, reject_on_worker_lost
+@guard.task(name="example.celery.refunds", max_retries=3)  # acks_late, reject_on_worker_lost
 def issue_refund(order: str, amount_p: int) -> dict[str, Any]:
-    with open("issued.txt", "a") as ledger:  # stands in for the payment provider
+    with open("celery_issued.txt", "a") as ledger:  # stands in for the payment provider
         ledger.write(f"{order}\n")
     return {"refund_id": f"rf-{order}", "amount_p": amount_p}
 

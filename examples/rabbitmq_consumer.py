@@ -13,11 +13,14 @@ import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from asgi_idempotency import Once, SQLStore
-from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard
+from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard, Undecodable
 
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
-QUEUE = os.environ.get("REFUNDS_QUEUE", "refunds")
-store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", "sqlite+aiosqlite:///./refunds.db"))
+# Names of this example's own: its queue (declared, never deleted), its namespace and
+# its SQLite file. The other examples use theirs, so each issues its own refunds.
+QUEUE = os.environ.get("REFUNDS_QUEUE", "asgi-idempotency-example-rabbitmq")
+DATABASE_URL = "sqlite+aiosqlite:///./rabbitmq_example.db"
+store = SQLStore(os.environ.get("IDEMPOTENCY_DATABASE_URL", DATABASE_URL))
 # The lease must be shorter than RabbitMQ's consumer_timeout (30 minutes by default).
 once = Once(store, ttl=timedelta(days=1), lease=timedelta(seconds=30))
 issued: list[str] = []  # stands in for the payment provider's ledger
@@ -25,14 +28,21 @@ dead_letters: list[str] = []
 
 
 async def dead_letter(message: AbstractIncomingMessage, error: BaseException) -> None:
-    dead_letters.append(f"{message.message_id}: {error}")  # e.g. publish to a parking queue
+    # Called once per message the guard cannot run (KeyReused: its id was used before
+    # with another body; Undecodable) or gave up on (its attempts spent).
+    dead_letters.append(f"{message.message_id}: {error!r}")  # e.g. a parking queue
 
 
-guard = RabbitMQGuard(once, namespace="refunds", on_exhausted=dead_letter, max_attempts=3)
+guard = RabbitMQGuard(
+    once, namespace="example.rabbitmq.refunds", on_exhausted=dead_letter, max_attempts=3
+)
 
 
 async def issue_refund(message: AbstractIncomingMessage) -> dict[str, Any]:
-    order = json.loads(message.body)["order"]
+    try:
+        order = json.loads(message.body)["order"]
+    except (ValueError, KeyError) as exc:  # fails the same on every delivery: no retry
+        raise Undecodable("not a refund") from exc
     issued.append(order)
     return {"refund_id": f"rf-{order}"}
 
@@ -48,8 +58,9 @@ async def main() -> list[str]:
             QUEUE, durable=True, arguments={"x-queue-type": "quorum"}
         )
         # msg-1 is published twice under one message_id (a publisher's retry): one refund.
-        for message_id, order in [("msg-1", "A-88214"), ("msg-2", "A-88215"), ("msg-1", "A-88214")]:
-            body = json.dumps({"order": order}).encode()
+        # msg-3 is not a refund: handed to dead_letter once, acknowledged, never retried.
+        refunds = [("msg-1", b'{"order": "A-88214"}'), ("msg-2", b'{"order": "A-88215"}')]
+        for message_id, body in [*refunds, refunds[0], ("msg-3", b"not json")]:
             message = aio_pika.Message(body, message_id=message_id)
             await channel.default_exchange.publish(message, routing_key=QUEUE)
         settled = asyncio.Semaphore(0)
@@ -60,11 +71,11 @@ async def main() -> list[str]:
             settled.release()
 
         tag = await queue.consume(consume)
-        for _ in range(3):
+        for _ in range(4):
             await settled.acquire()
         await queue.cancel(tag)
-        await queue.delete(if_unused=False, if_empty=False)
     await store.close()
+    print(f"dead letters: {dead_letters}")
     print(f"refunds issued: {issued}")
     return issued
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         SchemaMissing,
         StoreError,
         StoreUnavailable,
+        Undecodable,
     )
     from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome, RecordState
     from asgi_idempotency.functions.once import Once
@@ -131,6 +132,7 @@ __all__ = [
     "StoredResponse",
     "SuspectedDuplicate",
     "TransactionalStore",
+    "Undecodable",
     "__version__",
     "canonical_json",
     "idempotent",
@@ -163,6 +165,7 @@ _WHERE = {
     "OnceError": "asgi_idempotency.core.errors",
     "MissingMessageId": "asgi_idempotency.core.errors",
     "AttemptsUnknown": "asgi_idempotency.core.errors",
+    "Undecodable": "asgi_idempotency.core.errors",
     "MissingKey": "asgi_idempotency.core.errors",
     "RequestInProgress": "asgi_idempotency.core.errors",
     "PrincipalMisconfigured": "asgi_idempotency.core.errors",

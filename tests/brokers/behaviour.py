@@ -5,14 +5,19 @@ its process id, and hangs, to be killed), ``block_first`` (as ``block`` on the r
 first call, as ``effect`` after), ``slow`` (records ``started``, runs on until the process gets
 SIGUSR1, then records its effect), ``fail`` (records an ``attempt`` and raises).
 ``CRASH=before_ack``: the consumer SIGKILLs itself where it would acknowledge.
+``DEAD_LETTER=none``: the guard is given no ``on_exhausted``. Every handler first
+decodes its message's body as JSON (:func:`decode`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+from typing import Any
 
+from asgi_idempotency import Undecodable
 from tests.brokers.effects import counted, record
 
 ENV = os.environ
@@ -47,5 +52,19 @@ async def behave(run: str) -> str:
     return NAME
 
 
-async def dead_letter(run: str) -> None:
-    await record(DB, run, "exhausted", NAME)
+def decode(body: bytes) -> Any:
+    """The body as JSON; :class:`Undecodable` if it is not (no retry can change that)."""
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise Undecodable("the body is not JSON") from exc
+
+
+def handing_off() -> bool:
+    """Whether the guard gets an ``on_exhausted`` (``DEAD_LETTER=none``: not)."""
+    return ENV.get("DEAD_LETTER", "") != "none"
+
+
+async def dead_letter(run: str, error: BaseException) -> None:
+    """The hand-off: an ``exhausted`` row, its consumer column ``NAME:ErrorType``."""
+    await record(DB, run, "exhausted", f"{NAME}:{type(error).__name__}")

@@ -2,11 +2,12 @@
 
 Configured by its environment: ``AMQP_URL``, ``QUEUE`` (the tasks' queue, and the run
 its effects are counted under), ``DATABASE_URL`` (Postgres: the guard's records and the
-effects), ``NAME``; ``LEASE`` seconds; ``MAX_RETRIES``; what a task body does:
-:mod:`tests.brokers.behaviour`. ``CRASH=before_ack`` SIGKILLs the worker after a task has
-finished (succeeded, or rejected after its hand-off) and before Celery acknowledges it.
+effects), ``NAME``; ``LEASE`` seconds; ``MAX_RETRIES``; what a task body does, and
+``DEAD_LETTER``: :mod:`tests.brokers.behaviour`. ``CRASH=before_ack`` SIGKILLs the
+worker after a task has finished (succeeded, or failed after its hand-off) and before
+Celery acknowledges it.
 The worker prints ``consuming`` once ready; each task that finishes otherwise records
-a ``done`` row.
+a ``done`` row (its consumer column ``NAME:STATE``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from celery.signals import task_postrun, worker_ready
 
 from asgi_idempotency import Once, SQLStore
 from asgi_idempotency.integrations.celery import CeleryGuard
-from tests.brokers.behaviour import DB, NAME, behave, crash_before_ack, dead_letter
+from tests.brokers.behaviour import DB, NAME, behave, crash_before_ack, dead_letter, handing_off
 from tests.brokers.effects import record
 
 ENV = os.environ
@@ -39,10 +40,10 @@ once = Once(SQLStore(DB), lease=timedelta(seconds=float(ENV.get("LEASE", "3"))),
 
 
 def hand_off(task: Task[Any, Any], error: BaseException) -> None:
-    asyncio.run(dead_letter(QUEUE))
+    asyncio.run(dead_letter(QUEUE, error))
 
 
-guard = CeleryGuard(once, app, on_exhausted=hand_off, retry_delay=0.2)
+guard = CeleryGuard(once, app, on_exhausted=hand_off if handing_off() else None, retry_delay=0.2)
 
 
 @guard.task(name="tests.refund", max_retries=int(ENV.get("MAX_RETRIES", "2")))
@@ -62,6 +63,7 @@ def ready(**_: Any) -> None:
 
 @task_postrun.connect
 def finished(state: str | None = None, **_: Any) -> None:
-    if state in ("SUCCESS", "FAILURE", "REJECTED"):  # not RETRY: a retry is a new message
+    # Not RETRY: a retry is a new message. IGNORED: a reused id's, handed off.
+    if state in ("SUCCESS", "FAILURE", "REJECTED", "IGNORED"):
         crash_before_ack()
-        asyncio.run(record(DB, QUEUE, "done", NAME))
+        asyncio.run(record(DB, QUEUE, "done", f"{NAME}:{state}"))

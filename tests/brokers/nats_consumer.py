@@ -3,7 +3,8 @@
 Configured by its environment: ``NATS_URL``, ``STREAM`` (its durable pull consumer is
 ``workers``), ``DATABASE_URL`` (Postgres: the guard's records and the effects), ``NAME``;
 ``GUARDED=0`` for the unguarded baseline; ``LEASE`` and ``ACK_WAIT`` seconds;
-``MAX_ATTEMPTS``; what the handler does: :mod:`tests.brokers.behaviour`. Prints
+``MAX_ATTEMPTS``; what the handler does, and ``DEAD_LETTER``:
+:mod:`tests.brokers.behaviour`. Prints
 ``consuming`` once it consumes, ``acked`` after each acknowledgement or termination;
 records each delivery it is given under the run ``<STREAM>/deliveries``.
 """
@@ -22,7 +23,16 @@ from nats.aio.msg import Msg
 
 from asgi_idempotency import MissingMessageId, Once, SQLStore
 from asgi_idempotency.integrations.nats import JetStreamGuard
-from tests.brokers.behaviour import DB, NAME, behave, crash_before_ack, dead_letter, listen
+from tests.brokers.behaviour import (
+    DB,
+    NAME,
+    behave,
+    crash_before_ack,
+    dead_letter,
+    decode,
+    handing_off,
+    listen,
+)
 from tests.brokers.effects import record
 
 ENV = os.environ
@@ -39,11 +49,12 @@ class CrashingGuard(JetStreamGuard):
 
 
 async def handle(msg: Msg) -> str:
+    decode(msg.data)
     return await behave(STREAM)
 
 
 async def hand_off(msg: Msg, error: BaseException) -> None:
-    await dead_letter(STREAM)
+    await dead_letter(STREAM, error)
 
 
 async def unguarded(msg: Msg) -> None:
@@ -60,7 +71,7 @@ async def main() -> None:
         once,
         namespace=f"test.{STREAM}",
         ack_wait=timedelta(seconds=float(ENV.get("ACK_WAIT", "2"))),
-        on_exhausted=hand_off,
+        on_exhausted=hand_off if handing_off() else None,
         max_attempts=int(ENV.get("MAX_ATTEMPTS", "3")),
         nak_delay=0.2,
     )

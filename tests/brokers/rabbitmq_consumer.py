@@ -2,7 +2,8 @@
 
 Configured by its environment: ``AMQP_URL``, ``QUEUE``, ``DATABASE_URL`` (Postgres: the
 guard's records and the effects), ``NAME``; ``GUARDED=0`` for the unguarded baseline;
-``LEASE`` seconds; ``MAX_ATTEMPTS``; what the handler does: :mod:`tests.brokers.behaviour`.
+``LEASE`` seconds; ``MAX_ATTEMPTS``; what the handler does, and ``DEAD_LETTER``:
+:mod:`tests.brokers.behaviour`.
 Prints ``consuming`` once it consumes, ``acked`` after each acknowledgement.
 """
 
@@ -18,7 +19,16 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from asgi_idempotency import Once, SQLStore
 from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard
-from tests.brokers.behaviour import DB, NAME, behave, crash_before_ack, dead_letter, listen
+from tests.brokers.behaviour import (
+    DB,
+    NAME,
+    behave,
+    crash_before_ack,
+    dead_letter,
+    decode,
+    handing_off,
+    listen,
+)
 
 ENV = os.environ
 QUEUE = ENV["QUEUE"]
@@ -27,18 +37,19 @@ QUEUE = ENV["QUEUE"]
 class CrashingGuard(RabbitMQGuard):
     """Dies, by a real SIGKILL, after the outcome is recorded and before the ack."""
 
-    async def _acknowledge(self, message: AbstractIncomingMessage) -> None:
+    async def _acknowledge(self, message: AbstractIncomingMessage, *, reject: bool = False) -> None:
         crash_before_ack()
-        await super()._acknowledge(message)
+        await super()._acknowledge(message, reject=reject)
         print("acked", flush=True)
 
 
 async def handle(message: AbstractIncomingMessage) -> str:
+    decode(message.body)
     return await behave(QUEUE)
 
 
 async def hand_off(message: AbstractIncomingMessage, error: BaseException) -> None:
-    await dead_letter(QUEUE)
+    await dead_letter(QUEUE, error)
 
 
 async def unguarded(message: AbstractIncomingMessage) -> None:
@@ -54,7 +65,7 @@ async def main() -> None:
     guard = CrashingGuard(
         once,
         namespace=f"test.{QUEUE}",
-        on_exhausted=hand_off,
+        on_exhausted=hand_off if handing_off() else None,
         max_attempts=int(ENV.get("MAX_ATTEMPTS", "3")),
         requeue_delay=0.2,
     )

@@ -43,11 +43,13 @@ async def queue(amqp_url: str) -> AsyncIterator[str]:
             await channel.exchange_delete(name)
 
 
-def send(amqp_url: str, queue: str, task: str, task_id: str) -> None:
+def send(
+    amqp_url: str, queue: str, task: str, task_id: str, args: tuple[object, ...] = ("A-88214",)
+) -> None:
     """Publish one task message, as a producer does."""
     app = Celery("producer", broker=amqp_url)
     try:
-        app.send_task(task, args=["A-88214"], queue=queue, task_id=task_id)
+        app.send_task(task, args=list(args), queue=queue, task_id=task_id)
     finally:
         app.close()
 
@@ -162,6 +164,59 @@ async def test_an_exhausted_task_reaches_the_hand_off_once(
     # is one) was seen left unacknowledged by Celery 5.7's solo-pool worker now and
     # then, whatever the task did, and redelivered when the worker went; the guard
     # then replays the hand-off again, as above.
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "reason", "state"),
+    [
+        (("A-99",), "KeyReused", "key_reused", "IGNORED"),  # the id, used before
+        ((float("nan"),), "Undecodable", "undecodable", "FAILURE"),  # no JSON form
+    ],
+)
+async def test_a_task_that_cannot_run_is_handed_off_once_and_acknowledged(
+    amqp_url: str, pg_url: str, queue: str, tmp_path: Path,
+    args: tuple[object, ...], error: str, reason: str, state: str,
+) -> None:  # fmt: skip
+    """A task id used before with other arguments, or arguments the guard cannot
+    fingerprint: handed to on_exhausted at once (no retries), once however often it is
+    sent, then acknowledged (a reused id's task ignored: the first's result is kept)."""
+    task_id = str(uuid.uuid4())
+    with running() as started:
+        start(started, tmp_path, amqp_url, queue, pg_url, "only")
+        await asyncio.to_thread(send, amqp_url, queue, "tests.refund", task_id)
+        await until(pg_url, queue, "done", 1)
+        for n in (2, 3):  # the second: as a redelivery of it would be
+            await asyncio.to_thread(send, amqp_url, queue, "tests.refund", task_id, args)
+            assert (await until(pg_url, queue, "done", n)).get("done") == n
+        await asyncio.sleep(1)  # the acknowledgement on the wire
+        assert await ready_count(amqp_url, queue) == 0
+    assert await counted(pg_url, queue) == {"effect": 1, "exhausted": 1, "done": 3}
+    assert await who(pg_url, queue, "exhausted") == [f"only:{error}"]
+    done = ["only:SUCCESS", f"only:{state}", f"only:{state}"]
+    assert await who(pg_url, queue, "done") == sorted(done)
+    log = (tmp_path / f"{queue}-only.log").read_text()
+    assert "idempotency.dead_letter route=tests.refund" in log
+    assert f"reason={reason} error={error}" in log
+    assert task_id not in log.split("idempotency.dead_letter", 1)[1].split("\n", 1)[0]
+
+
+async def test_without_on_exhausted_a_task_that_cannot_run_fails_and_is_acknowledged(
+    amqp_url: str, pg_url: str, queue: str, tmp_path: Path
+) -> None:
+    task_id = str(uuid.uuid4())
+    with running() as started:
+        start(started, tmp_path, amqp_url, queue, pg_url, "only", DEAD_LETTER="none")
+        await asyncio.to_thread(send, amqp_url, queue, "tests.refund", task_id)
+        await asyncio.to_thread(send, amqp_url, queue, "tests.refund", task_id, ("A-99",))
+        other = str(uuid.uuid4())
+        await asyncio.to_thread(send, amqp_url, queue, "tests.refund", other, (float("nan"),))
+        assert (await until(pg_url, queue, "done", 3)).get("done") == 3
+        await asyncio.sleep(1)
+        assert await ready_count(amqp_url, queue) == 0
+    assert await counted(pg_url, queue) == {"effect": 1, "done": 3}
+    assert await who(pg_url, queue, "done") == ["only:FAILURE", "only:IGNORED", "only:SUCCESS"]
+    log = (tmp_path / f"{queue}-only.log").read_text()
+    assert log.count("no on_exhausted: the task fails") == 2
 
 
 def test_the_lease_is_checked_against_the_brokers_timeout() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -29,11 +30,13 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.postgres, pytest.
 ACK_WAIT = 2.0
 
 
-async def create_stream(nats_url: str, name: str, max_deliver: int = -1) -> None:
+async def create_stream(
+    nats_url: str, name: str, max_deliver: int = -1, duplicate_window: float = 120.0
+) -> None:
     client = await nats.connect(nats_url)
     try:
         js = client.jetstream()
-        await js.add_stream(name=name, subjects=[f"{name}.>"])
+        await js.add_stream(name=name, subjects=[f"{name}.>"], duplicate_window=duplicate_window)
         await js.add_consumer(
             name,
             ConsumerConfig(
@@ -199,6 +202,83 @@ async def test_a_message_without_an_id_is_refused_not_run(
         consumer.wait_for("acked")  # the second; the first was terminated, not run
         assert await pending(nats_url, stream) == (0, 0)
     assert await counted(pg_url, stream) == {"effect": 1}
+
+
+def logged(tmp_path: Path, stream: str, name: str) -> str:
+    """What the consumer ``name`` wrote to its stderr (its log lines)."""
+    return (tmp_path / f"{stream}-{name}.log").read_text()
+
+
+@pytest.fixture
+async def short_dedup(nats_url: str) -> AsyncIterator[str]:
+    """A stream of this test's own that deduplicates publishes for 0.2 s only, so a
+    publisher can reuse a Nats-Msg-Id with another body (JetStream would drop it)."""
+    name = f"idem-test-{uuid.uuid4().hex[:12]}"
+    await create_stream(nats_url, name, duplicate_window=0.2)
+    try:
+        yield name
+    finally:
+        await delete_stream(nats_url, name)
+
+
+@pytest.mark.parametrize(
+    ("msg_id", "data", "error", "reason"),
+    [
+        ("msg-5", b'{"order": "A-2"}', "KeyReused", "key_reused"),  # msg-5: used before
+        ("msg-7", b"A-2 not json", "Undecodable", "undecodable"),
+    ],
+)
+async def test_a_message_that_cannot_run_is_handed_off_once_and_acknowledged(
+    nats_url: str, pg_url: str, short_dedup: str, tmp_path: Path,
+    msg_id: str, data: bytes, error: str, reason: str,
+) -> None:  # fmt: skip
+    """msg-5's id used before with another body, or a body that does not decode: handed
+    to on_exhausted at once (no retries, no nak), once however often it comes, then
+    acknowledged."""
+    stream = short_dedup
+    with running() as started:
+        consumer = start(started, tmp_path, nats_url, stream, pg_url, "only")
+        await publish(nats_url, stream, "msg-5", b'{"order": "A-1"}')
+        consumer.wait_for("acked")
+        for _ in range(2):  # the second: as a redelivery of it would be
+            await asyncio.sleep(0.3)  # past the stream's duplicate window
+            await publish(nats_url, stream, msg_id, data)
+            consumer.wait_for("acked")
+        await publish(nats_url, stream, "msg-6")
+        consumer.wait_for("acked")
+        assert await pending(nats_url, stream) == (0, 0)
+    assert await counted(pg_url, stream) == {"effect": 2, "exhausted": 1}
+    assert await who(pg_url, stream, "exhausted") == [f"only:{error}"]
+    # Each delivery once: none nak-ed and redelivered.
+    assert len(await who(pg_url, f"{stream}/deliveries", "delivery")) == 4
+    log = logged(tmp_path, stream, "only")
+    assert f"idempotency.dead_letter route=test.{stream}" in log
+    assert f"reason={reason} error={error}" in log
+    assert "handed to on_exhausted, then acknowledged" in log
+    assert msg_id not in log  # digests only
+    assert "A-2" not in log
+
+
+async def test_without_on_exhausted_a_message_that_cannot_run_is_terminated(
+    nats_url: str, pg_url: str, short_dedup: str, tmp_path: Path
+) -> None:
+    stream = short_dedup
+    with running() as started:
+        consumer = start(started, tmp_path, nats_url, stream, pg_url, "only", DEAD_LETTER="none")
+        await publish(nats_url, stream, "msg-5", b'{"order": "A-1"}')
+        consumer.wait_for("acked")
+        await asyncio.sleep(0.3)
+        await publish(nats_url, stream, "msg-5", b'{"order": "A-2"}')
+        consumer.wait_for("acked")
+        await publish(nats_url, stream, "msg-8", b"not json")
+        consumer.wait_for("acked")
+        assert await pending(nats_url, stream) == (0, 0)
+    assert await counted(pg_url, stream) == {"effect": 1}
+    assert len(await who(pg_url, f"{stream}/deliveries", "delivery")) == 3
+    log = logged(tmp_path, stream, "only")
+    for reason in ("key_reused", "undecodable"):
+        assert f"reason={reason}" in log
+    assert log.count("no on_exhausted: terminated") == 2
 
 
 async def dead_letter(msg: object, error: BaseException) -> None: ...

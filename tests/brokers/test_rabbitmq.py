@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -196,18 +197,91 @@ async def test_a_message_without_an_id_is_refused_not_run(
     assert await ready_count(amqp_url, queue_name) == 0
 
 
-async def test_an_id_reused_with_another_body_is_rejected_not_run(
-    amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
-) -> None:
+@pytest.fixture
+async def dead_lettered(amqp_url: str) -> AsyncIterator[tuple[str, str]]:
+    """A quorum queue of this test's own whose rejected messages go to a dead-letter
+    queue of its own: (queue, dead-letter queue), both deleted afterwards."""
+    name = f"idem-test-{uuid.uuid4().hex[:12]}"
+    dlq = f"{name}.dlq"
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(dlq, durable=True)
+        arguments = {
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": dlq,
+        }
+        await channel.declare_queue(name, durable=True, arguments=dict(arguments))
+        try:
+            yield name, dlq
+        finally:
+            await channel.queue_delete(name)
+            await channel.queue_delete(dlq)
+
+
+def logged(tmp_path: Path, queue: str, name: str) -> str:
+    """What the consumer ``name`` wrote to its stderr (its log lines)."""
+    return (tmp_path / f"{queue}-{name}.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("message_id", "body", "error", "reason"),
+    [
+        ("msg-5", b'{"order": "A-2"}', "KeyReused", "key_reused"),  # msg-5: used before
+        ("msg-7", b"A-2 not json", "Undecodable", "undecodable"),
+    ],
+)
+async def test_a_message_that_cannot_run_is_handed_off_once_and_acknowledged(
+    amqp_url: str, pg_url: str, dead_lettered: tuple[str, str], tmp_path: Path,
+    message_id: str, body: bytes, error: str, reason: str,
+) -> None:  # fmt: skip
+    """msg-5's id used before with another body (a producer bug), or a body that does not
+    decode: handed to on_exhausted at once (no retries), once however often it comes,
+    then acknowledged: not rejected to the queue's dead-letter queue, not requeued."""
+    queue, dlq = dead_lettered
     with running() as started:
-        consumer = start(started, tmp_path, amqp_url, queue_name, pg_url, "only")
-        await publish(amqp_url, queue_name, "msg-5", b'{"order": "A-1"}')
+        consumer = start(started, tmp_path, amqp_url, queue, pg_url, "only")
+        await publish(amqp_url, queue, "msg-5", b'{"order": "A-1"}')
         consumer.wait_for("acked")
-        await publish(amqp_url, queue_name, "msg-5", b'{"order": "A-2"}')  # a producer bug
-        await publish(amqp_url, queue_name, "msg-6", b"{}")
-        consumer.wait_for("acked")  # msg-6; the reused id was rejected, not requeued
-    assert await counted(pg_url, queue_name) == {"effect": 2}
-    assert await ready_count(amqp_url, queue_name) == 0
+        for _ in range(2):  # the second: as a redelivery of it would be
+            await publish(amqp_url, queue, message_id, body)
+            consumer.wait_for("acked")
+        await publish(amqp_url, queue, "msg-6", b"{}")
+        consumer.wait_for("acked")
+    assert await counted(pg_url, queue) == {"effect": 2, "exhausted": 1}
+    assert await who(pg_url, queue, "exhausted") == [f"only:{error}"]
+    assert await ready_count(amqp_url, queue) == 0
+    assert await ready_count(amqp_url, dlq) == 0  # acknowledged, not dead-lettered
+    log = logged(tmp_path, queue, "only")
+    assert f"idempotency.dead_letter route=test.{queue}" in log
+    assert f"reason={reason} error={error}" in log
+    assert "handed to on_exhausted, then acknowledged" in log
+    assert message_id not in log  # digests only
+    assert "A-2" not in log
+
+
+async def test_without_on_exhausted_a_message_that_cannot_run_goes_to_the_dead_letter_queue(
+    amqp_url: str, pg_url: str, dead_lettered: tuple[str, str], tmp_path: Path
+) -> None:
+    """No on_exhausted: logged at ERROR, then rejected without requeue, to the queue's
+    dead-letter exchange (the broker's own dead letter keeps it)."""
+    queue, dlq = dead_lettered
+    with running() as started:
+        consumer = start(started, tmp_path, amqp_url, queue, pg_url, "only", DEAD_LETTER="none")
+        await publish(amqp_url, queue, "msg-5", b'{"order": "A-1"}')
+        consumer.wait_for("acked")
+        await publish(amqp_url, queue, "msg-5", b'{"order": "A-2"}')
+        consumer.wait_for("acked")
+        await publish(amqp_url, queue, "msg-8", b"not json")
+        consumer.wait_for("acked")
+    assert await counted(pg_url, queue) == {"effect": 1}
+    assert await ready_count(amqp_url, queue) == 0
+    assert await ready_count(amqp_url, dlq) == 2
+    log = logged(tmp_path, queue, "only")
+    for reason in ("key_reused", "undecodable"):
+        assert f"reason={reason}" in log
+    assert log.count("no on_exhausted: rejected without requeue") == 2
 
 
 def test_a_lease_not_shorter_than_the_consumer_timeout_is_refused() -> None:

@@ -162,6 +162,34 @@ async def test_a_regenerated_step_replays_and_another_run_runs_again() -> None:
         assert server.count("refund") == 3
 
 
+async def test_the_key_covers_the_arguments_canonically_so_a_corrected_call_runs() -> None:
+    """docs/guide/mcp.md's table: a regenerated call with the same arguments however
+    written (4500 or 4500.0, keys in any order) replays; one with other arguments (a
+    correction) is another call and runs; a key the caller derives from what names the
+    effect makes a regenerated call with other arguments a mismatch, never a second run."""
+    with served() as server:
+        async with Client(server.url) as client:
+            first = await call_tool(
+                client, "refund", {"order": "o-8", "amount": 4500}, run_id="run-9", step=0
+            )
+            for same in ({"order": "o-8", "amount": 4500.0}, {"amount": 4500, "order": "o-8"}):
+                again = await call_tool(client, "refund", same, run_id="run-9", step=0)
+                assert again.structured_content == first.structured_content
+            assert server.count("refund") == 1
+            corrected = await call_tool(
+                client, "refund", {"order": "o-8", "amount": 450}, run_id="run-9", step=0
+            )
+            assert refusal(corrected) is None
+            assert corrected.structured_content == {"order": "o-8", "amount": 450, "refund": 2}
+            assert server.count("refund") == 2
+            # Keyed on the order alone (sent by the caller): another amount is refused.
+            meta = cast(RequestParamsMeta, {META_KEY: derive_key("run-9", 1, "refund", "o-8")})
+            await client.call_tool("refund", {"order": "o-8", "amount": 100}, meta=meta)
+            other = await client.call_tool("refund", {"order": "o-8", "amount": 200}, meta=meta)
+            assert refusal(other) == client_mcp.Refusal("mismatch", None)
+            assert server.count("refund") == 3
+
+
 async def test_a_resumed_run_reproduces_its_keys_and_replays_what_ran() -> None:
     plan: list[tuple[str, dict[str, Any]]] = [
         ("refund", {"order": "o-3", "amount": 1}),

@@ -79,6 +79,7 @@ from asgi_idempotency import (
     StoreUnavailable,
     SuspectedDuplicate,
     TransactionalStore,
+    Undecodable,
     __version__,
     canonical_json,
     idempotent,
@@ -381,7 +382,7 @@ async def function_guard(store: Store) -> int:
     except KeyReused as exc:
         reused: OnceError = exc
         raise reused from None
-    except (MissingMessageId, AttemptsUnknown) as exc:  # the broker presets' refusals
+    except (MissingMessageId, AttemptsUnknown, Undecodable) as exc:  # the presets' refusals
         refused: OnceError = exc
         raise refused from None
 

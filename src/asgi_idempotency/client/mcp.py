@@ -4,9 +4,10 @@ An agent framework that retries a failed step re-invokes the model: the retry ha
 fresh request id and ``tool_call_id``, and a key the model writes changes exactly
 when it must not. The key here comes from the originating run instead, with
 :func:`~asgi_idempotency.client.keys.derive_key` over (run id, step, tool, arguments),
-so a retry, a step the model regenerated with the same arguments, and a resumed run
-all send the same key, while the same arguments in another run (or another step) do
-not::
+so a retry, a step the model regenerated with the same arguments (canonically: ``4500``
+and ``4500.0``, keys in any order), and a resumed run all send the same key, while other
+arguments (a call corrected after a refusal) and the same arguments in another run (or
+another step) do not: they are other calls, and run::
 
     result = await call_tool(client, "refund", {"order": "o-1", "amount": 5},
                              run_id=run.id, step=run.step)

@@ -26,7 +26,8 @@
     ├── InProgress              same key still running elsewhere (retry_after, seconds)
     ├── KeyReused               same key, other arguments or another function
     ├── MissingMessageId        a broker message with no id to key it by (integrations)
-    └── AttemptsUnknown         a redelivery whose broker does not count deliveries
+    ├── AttemptsUnknown         a redelivery whose broker does not count deliveries
+    └── Undecodable             a message whose payload cannot be decoded: never retried
 
 Three roots, for three audiences: ``IdempotencyError`` s are HTTP answers, sent as
 problems; a :class:`StoreError` is the infrastructure failing, raised to whoever called
@@ -68,6 +69,7 @@ __all__ = [
     "SchemaMissing",
     "StoreError",
     "StoreUnavailable",
+    "Undecodable",
 ]
 
 # Stable, dereference-free identifiers (RFC 9457 §3.1.1 allows non-resolvable URIs).
@@ -324,3 +326,14 @@ class MissingMessageId(OnceError):
 class AttemptsUnknown(OnceError):
     """A redelivered message whose broker does not count deliveries (a classic RabbitMQ
     queue): handed off rather than retried without a bound."""
+
+
+class Undecodable(OnceError):
+    """A broker message whose payload cannot be decoded (not the format it should be, a
+    field missing): it would fail the same way on every delivery, so the broker presets
+    hand it to ``on_exhausted`` at once, without retries, and acknowledge it.
+
+    Raise it from a handler, from the decoding error (``raise Undecodable("not a
+    refund") from exc``); the Celery preset raises it itself for task arguments that
+    have no canonical JSON form (NaN, say), which it cannot fingerprint.
+    """

@@ -7,8 +7,15 @@
 - runs through :class:`~asgi_idempotency.Once`, keyed by the task id (the same on every
   redelivery and every ``retry``), fingerprinted by its arguments;
 - is retried (``task.retry``, counted by ``request.retries``) when it raises, until
-  ``max_retries``; then handed to ``on_exhausted`` (once: the hand-off runs through the
-  same guard) and the message rejected (the task's state: FAILURE, the body's error);
+  ``max_retries``;
+- is given up on at once when it cannot run (the task id used before with other
+  arguments: :class:`KeyReused`; arguments with no canonical JSON form, or a body that
+  raises :class:`Undecodable`) or after its last retry: handed to ``on_exhausted`` (once:
+  the hand-off runs through the same guard), then the task fails with that error
+  (FAILURE in the result backend; the message acknowledged, as Celery acknowledges a
+  failed ``acks_late`` task), except that a reused id's task is ignored (acknowledged,
+  the first call's result left in place). Without ``on_exhausted``, the same, with no
+  hand-off. Logged at ERROR and counted either way (:mod:`._brokers`);
 - is refused at construction a lease not shorter than the broker's acknowledgement
   timeout (RabbitMQ's ``consumer_timeout``, or Redis and SQS's ``visibility_timeout``).
 
@@ -24,13 +31,25 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from celery import Celery, Task
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 
-from asgi_idempotency.core.errors import InProgress, KeyReused, MissingMessageId, StoreError
+from asgi_idempotency.core.errors import (
+    InProgress,
+    KeyReused,
+    MissingMessageId,
+    StoreError,
+    Undecodable,
+)
 from asgi_idempotency.functions.once import Once
-from asgi_idempotency.integrations._brokers import check_lease, namespaced
+from asgi_idempotency.integrations._brokers import (
+    DeadLetter,
+    arguments_digest,
+    cannot_run,
+    check_lease,
+    namespaced,
+)
 
-__all__ = ["CeleryGuard", "ack_timeout"]
+__all__ = ["CeleryGuard", "KeyReused", "Undecodable", "ack_timeout"]
 
 OnExhausted = Callable[[Task[Any, Any], BaseException], object]
 
@@ -73,8 +92,16 @@ class CeleryGuard:
             acknowledgement timeout (:func:`ack_timeout`). A worker calls it from its
             task threads (sync calls): give it a store instance of its own.
         app: the Celery app the tasks belong to.
-        on_exhausted: ``(task, error)``, called once per task whose body raised on its
-            last retry: your dead-letter (``task.request`` holds its id and arguments).
+        on_exhausted: ``(task, error)``, your dead letter (``task.request`` holds its id
+            and arguments), called once per task the guard cannot run or gives up on,
+            with why: :class:`KeyReused` (its id was used before with other arguments),
+            :class:`Undecodable` (arguments with no canonical JSON form, or raised by
+            the body: retrying cannot help), or the body's error on its last retry.
+            Then the task fails with that error (FAILURE; the message acknowledged) or,
+            for a reused id, is ignored (acknowledged; the first call's result kept);
+            if it raises, the message is requeued and the hand-off tried again.
+            ``None`` (the default): the same, with no hand-off. Logged at ERROR and
+            counted either way.
         consumer_timeout: RabbitMQ's ``consumer_timeout``, if not its default.
         retry_delay: seconds before a retry, and before a message whose key another
             worker holds (or whose store failed) is requeued (default 1.0).
@@ -89,7 +116,7 @@ class CeleryGuard:
         once: Once,
         app: Celery,
         *,
-        on_exhausted: OnExhausted,
+        on_exhausted: OnExhausted | None = None,
         consumer_timeout: timedelta | None = None,
         retry_delay: float = 1.0,
     ) -> None:
@@ -109,20 +136,20 @@ class CeleryGuard:
         the task are queued. ``max_retries`` as Celery's (``None``: no limit, and no
         hand-off). Route the task with the app's ``task_routes``.
         """
-        namespace, exhausted_namespace = namespaced(name)
+        namespace, _ = namespaced(name)
 
         def decorate(fn: Callable[..., Any]) -> Task[Any, Any]:
             def body(task_id: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
                 return fn(*args, **kwargs)
 
-            def hand_off(task_id: str, task: Task[Any, Any], error: BaseException) -> Any:
-                return self.on_exhausted(task, error)
-
-            wait = self.once.lease
-            run = self.once(key=_first, namespace=namespace, wait=wait)(body)
-            exhausted = self.once(
-                key=_first, namespace=exhausted_namespace, wait=wait, exclude=("task", "error")
-            )(hand_off)
+            run = self.once(key=_first, namespace=namespace, wait=self.once.lease)(body)
+            dead = DeadLetter(
+                self.once,
+                namespace,
+                self.on_exhausted,
+                otherwise="the task fails (FAILURE; a reused id's is ignored, the first "
+                "call's result kept), its message acknowledged",
+            )
 
             def guarded(task: Task[Any, Any], *args: Any, **kwargs: Any) -> Any:
                 task_id = task.request.id
@@ -133,17 +160,28 @@ class CeleryGuard:
                 except (InProgress, StoreError) as exc:
                     time.sleep(self.retry_delay)
                     raise Reject(exc, requeue=True) from exc
-                except KeyReused as exc:  # the id reused with other arguments: never runs
-                    raise Reject(exc, requeue=False) from exc
                 except Exception as exc:
-                    limit = task.max_retries  # None: no limit, as Celery's own
-                    if limit is None or task.request.retries < limit:
-                        raise task.retry(exc=exc, countdown=self.retry_delay) from exc
-                    exhausted(task_id, task, exc)
-                    # Rejected without requeue: Celery records the FAILURE, with the
-                    # body's error, and the message is settled (or dead-lettered by the
-                    # queue's own dead-letter exchange).
-                    raise Reject(exc, requeue=False) from exc
+                    error = cannot_run(exc)  # the same on every delivery: no retry
+                    if error is None:
+                        limit = task.max_retries  # None: no limit, as Celery's own
+                        if limit is None or task.request.retries < limit:
+                            raise task.retry(exc=exc, countdown=self.retry_delay) from exc
+                        error = exc
+                    digest = arguments_digest(list(args), dict(kwargs))
+                    try:
+                        dead.hand_off_sync(task_id, digest, task, error)
+                    except Exception as failed:  # logged: requeued, handed off next time
+                        time.sleep(self.retry_delay)
+                        raise Reject(failed, requeue=True) from failed
+                    if isinstance(error, KeyReused):
+                        # Acknowledged, its state left alone: the id's result is the
+                        # first call's, and a FAILURE would overwrite it.
+                        raise Ignore() from exc
+                    # The task fails with the error: Celery records the FAILURE (a
+                    # caller's result.get() raises it) and acknowledges the message.
+                    if error is exc:
+                        raise
+                    raise error from exc
 
             guarded.__name__ = getattr(fn, "__name__", name)
             guarded.__qualname__ = getattr(fn, "__qualname__", name)

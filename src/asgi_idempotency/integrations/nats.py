@@ -12,8 +12,13 @@ message a pull subscription fetches) that:
   (a slow handler is not redelivered to another consumer), and acknowledges once the
   call returns (its result, or a redelivery's replay);
 - counts attempts by the delivery's ``num_delivered``; a handler that raises is
-  ``nak``-ed until ``max_attempts``, then handed to ``on_exhausted`` (once: the hand-off
-  runs through the same guard) and terminated;
+  ``nak``-ed until ``max_attempts``;
+- gives a message it cannot run (its id used before with another body:
+  :class:`KeyReused`; a handler that raises :class:`Undecodable`) or has given up on to
+  the dead letter at once: ``on_exhausted(msg, error)``, called once (the hand-off runs
+  through the same guard), then the message is acknowledged; without ``on_exhausted``,
+  terminated (JetStream's ``MSG_TERMINATED`` advisory names it). Logged at ERROR and
+  counted either way (:mod:`._brokers`);
 - refuses at construction a lease not shorter than ``ack_wait``, and at startup
   (:meth:`JetStreamGuard.check`) a consumer whose server-side settings disagree.
 
@@ -38,16 +43,19 @@ from asgi_idempotency.core.errors import (
     KeyReused,
     MissingMessageId,
     StoreError,
+    Undecodable,
 )
 from asgi_idempotency.functions.once import Once
 from asgi_idempotency.integrations._brokers import (
+    DeadLetter,
     body_digest,
+    cannot_run,
     check_attempts,
     check_lease,
     namespaced,
 )
 
-__all__ = ["JetStreamGuard", "MissingMessageId", "stream_sequence"]
+__all__ = ["JetStreamGuard", "KeyReused", "MissingMessageId", "Undecodable", "stream_sequence"]
 
 logger = logging.getLogger("asgi_idempotency.integrations.nats")
 
@@ -78,10 +86,15 @@ class JetStreamGuard:
             hand-off's records are kept under ``namespace + ".exhausted"``.
         ack_wait: the JetStream consumer's ``ack_wait`` (:meth:`check` compares it with
             the server's).
-        on_exhausted: ``async (msg, error)``, called once per message whose handler
-            raised on its ``max_attempts``-th delivery: your dead-letter. The message is
-            terminated after it returns; if it raises, the message is ``nak``-ed and the
-            hand-off tried again on the next delivery.
+        on_exhausted: ``async (msg, error)``, your dead letter, called once per message
+            the guard cannot run or gives up on, with why: :class:`KeyReused` (its id
+            was used before with another body), :class:`Undecodable` (raised by the
+            handler: retrying cannot help), or the handler's error on its
+            ``max_attempts``-th delivery. The message is acknowledged after it returns;
+            if it raises, the message is ``nak``-ed and the hand-off tried again on the
+            next delivery. ``None`` (the default): such a message is terminated
+            (``AckTerm``: never redelivered; the server publishes a ``MSG_TERMINATED``
+            advisory naming its stream sequence). Logged at ERROR and counted either way.
         max_attempts: deliveries a failing handler gets before the hand-off (default 5).
         key: ``msg -> str``, the key when it is not the ``Nats-Msg-Id`` header.
         nak_delay: seconds before a ``nak``-ed message is redelivered (default 1.0).
@@ -97,7 +110,7 @@ class JetStreamGuard:
         *,
         namespace: str,
         ack_wait: timedelta,
-        on_exhausted: OnExhausted,
+        on_exhausted: OnExhausted | None = None,
         max_attempts: int = 5,
         key: Callable[[Msg], str] | None = None,
         nak_delay: float = 1.0,
@@ -107,6 +120,12 @@ class JetStreamGuard:
         self.namespace, self._exhausted_namespace = namespaced(namespace)
         self.ack_wait = ack_wait
         self.on_exhausted = on_exhausted
+        self._dead = DeadLetter(
+            once,
+            self.namespace,
+            on_exhausted,
+            otherwise="terminated (JetStream's MSG_TERMINATED advisory names its stream sequence)",
+        )
         self.max_attempts = check_attempts(max_attempts)
         self.key = key
         self.nak_delay = nak_delay
@@ -139,16 +158,10 @@ class JetStreamGuard:
         async def deliver(key: str, data: str, msg: Msg) -> Any:
             return await handler(msg)
 
-        async def hand_off(key: str, data: str, msg: Msg, error: BaseException) -> Any:
-            return await self.on_exhausted(msg, error)
-
         # A redelivery that finds a holder waits for it (the delivery kept in progress
         # meanwhile): a dead holder's claim lapses within a lease and is taken over.
         wait = self.once.lease
         run = self.once(key=_first, namespace=self.namespace, wait=wait, exclude=("msg",))(deliver)
-        exhausted = self.once(
-            key=_first, namespace=self._exhausted_namespace, wait=wait, exclude=("msg", "error")
-        )(hand_off)
 
         async def consume(msg: Msg) -> None:
             key = self.key(msg) if self.key is not None else (msg.headers or {}).get("Nats-Msg-Id")
@@ -165,23 +178,21 @@ class JetStreamGuard:
                 if attempt > self.max_attempts:
                     # Exhausted before, its termination lost: replay the hand-off.
                     error = AttemptsUnknown(f"delivery {attempt} of {self.max_attempts}")
-                    await self._hand_off(exhausted, key, data, msg, error)
+                    await self._hand_off(key, data, msg, error)
                     return
                 try:
                     await self._held(run, key, data, msg)
-                except KeyReused:
-                    fields = {**self._fields, "digest": data[:16]}
-                    logger.error("idempotency.message_id_reused", extra=fields)
-                    await msg.term()
-                    return
                 except (InProgress, StoreError):
                     await msg.nak(delay=self.nak_delay)
                     return
                 except Exception as exc:
-                    if attempt < self.max_attempts:
+                    refused = cannot_run(exc)  # the same on every delivery: no retry
+                    if refused is not None:
+                        await self._hand_off(key, data, msg, refused)
+                    elif attempt < self.max_attempts:
                         await msg.nak(delay=self.nak_delay)
-                        return
-                    await self._hand_off(exhausted, key, data, msg, exc)
+                    else:
+                        await self._hand_off(key, data, msg, exc)
                     return
                 await self._acknowledge(msg)
 
@@ -216,24 +227,17 @@ class JetStreamGuard:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _hand_off(
-        self,
-        exhausted: Callable[..., Awaitable[Any]],
-        key: str,
-        data: str,
-        msg: Msg,
-        error: BaseException,
-    ) -> None:
+    async def _hand_off(self, key: str, data: str, msg: Msg, error: BaseException) -> None:
         try:
-            await exhausted(key, data, msg, error)
-        except Exception:
-            logger.exception("idempotency.hand_off_failed", extra=self._fields)
+            handed = await self._dead.hand_off(key, data, msg, error)
+        except Exception:  # logged by the dead letter: nak-ed, handed off next time
             await msg.nak(delay=self.nak_delay)
             return
-        await self._acknowledge(msg, terminate=True)
+        await self._acknowledge(msg, terminate=not handed)
 
     async def _acknowledge(self, msg: Msg, *, terminate: bool = False) -> None:
-        """Acknowledge (or, handed off, terminate) a message whose outcome is recorded.
+        """Acknowledge a message whose outcome is recorded (or, with nobody to hand it off
+        to, terminate it).
 
         Either can be lost with the connection: the server redelivers after
         ``ack_wait``, and the redelivery replays.

@@ -11,9 +11,14 @@ aio-pika consume callback (``await queue.consume(guard(handle))``) that:
   to its end even if the broker closes the channel meanwhile (its consumer timeout),
   and acknowledges once the call returns (its result, or a redelivery's replay);
 - counts attempts from ``x-delivery-count`` (quorum queues); a handler that raises is
-  requeued until ``max_attempts``, then handed to ``on_exhausted`` (once: the hand-off
-  runs through the same guard) and acknowledged. A classic queue counts nothing: there
-  a redelivery runs (or replays) as any, and hands off if it raises;
+  requeued until ``max_attempts``. A classic queue counts nothing: there a redelivery
+  runs (or replays) as any, and is given up on if it raises (:class:`AttemptsUnknown`);
+- gives a message it cannot run (its id used before with another body:
+  :class:`KeyReused`; a handler that raises :class:`Undecodable`) or has given up on to
+  the dead letter at once: ``on_exhausted(message, error)``, called once (the hand-off
+  runs through the same guard), then the message is acknowledged; without
+  ``on_exhausted``, rejected without requeue (to the queue's dead-letter exchange). Logged
+  at ERROR and counted either way (:mod:`._brokers`);
 - refuses at construction a lease not shorter than the broker's ``consumer_timeout``.
 
 Needs the ``rabbitmq`` extra (aio-pika).
@@ -35,16 +40,26 @@ from asgi_idempotency.core.errors import (
     KeyReused,
     MissingMessageId,
     StoreError,
+    Undecodable,
 )
 from asgi_idempotency.functions.once import Once
 from asgi_idempotency.integrations._brokers import (
+    DeadLetter,
     body_digest,
+    cannot_run,
     check_attempts,
     check_lease,
     namespaced,
 )
 
-__all__ = ["AttemptsUnknown", "MissingMessageId", "RabbitMQGuard", "delivery_attempt"]
+__all__ = [
+    "AttemptsUnknown",
+    "KeyReused",
+    "MissingMessageId",
+    "RabbitMQGuard",
+    "Undecodable",
+    "delivery_attempt",
+]
 
 logger = logging.getLogger("asgi_idempotency.integrations.rabbitmq")
 
@@ -77,11 +92,16 @@ class RabbitMQGuard:
             ``consumer_timeout``.
         namespace: scopes the message ids (the queue's purpose, say ``"refunds"``); the
             hand-off's records are kept under ``namespace + ".exhausted"``.
-        on_exhausted: ``async (message, error)``, called once per message whose handler
-            raised on its ``max_attempts``-th delivery (or on a redelivery that cannot be
-            counted, with :class:`AttemptsUnknown`): your dead-letter. The message is acknowledged
+        on_exhausted: ``async (message, error)``, your dead letter, called once per
+            message the guard cannot run or gives up on, with why: :class:`KeyReused`
+            (its id was used before with another body), :class:`Undecodable` (raised by
+            the handler: retrying cannot help), the handler's error on its
+            ``max_attempts``-th delivery, or :class:`AttemptsUnknown` (a failed
+            redelivery a classic queue does not count). The message is acknowledged
             after it returns; if it raises, the message is requeued and the hand-off
-            tried again on the next delivery.
+            tried again on the next delivery. ``None`` (the default): such a message is
+            rejected without requeue, to the queue's dead-letter exchange if it has one
+            (else RabbitMQ drops it). Logged at ERROR and counted either way.
         max_attempts: deliveries a failing handler gets before the hand-off (default 5).
         consumer_timeout: the broker's ``consumer_timeout`` (default RabbitMQ's, 30
             minutes). A redelivery waits up to one lease for a holder before requeueing.
@@ -99,7 +119,7 @@ class RabbitMQGuard:
         once: Once,
         *,
         namespace: str,
-        on_exhausted: OnExhausted,
+        on_exhausted: OnExhausted | None = None,
         max_attempts: int = 5,
         consumer_timeout: timedelta = DEFAULT_CONSUMER_TIMEOUT,
         key: Callable[[AbstractIncomingMessage], str] | None = None,
@@ -109,6 +129,13 @@ class RabbitMQGuard:
         self.once = once
         self.namespace, self._exhausted_namespace = namespaced(namespace)
         self.on_exhausted = on_exhausted
+        self._dead = DeadLetter(
+            once,
+            self.namespace,
+            on_exhausted,
+            otherwise="rejected without requeue, to the queue's dead-letter exchange if it "
+            "has one (else RabbitMQ drops it)",
+        )
         self.max_attempts = check_attempts(max_attempts)
         self.consumer_timeout = consumer_timeout
         self.key = key
@@ -121,22 +148,11 @@ class RabbitMQGuard:
         async def deliver(key: str, body: str, message: AbstractIncomingMessage) -> Any:
             return await handler(message)
 
-        async def hand_off(
-            key: str, body: str, message: AbstractIncomingMessage, error: BaseException
-        ) -> Any:
-            return await self.on_exhausted(message, error)
-
         # A redelivery that finds a holder waits up to one lease for its result: a dead
         # holder's claim lapses within it and is then taken over.
         run = self.once(
             key=_first, namespace=self.namespace, wait=self.once.lease, exclude=("message",)
         )(deliver)
-        exhausted = self.once(
-            key=_first,
-            namespace=self._exhausted_namespace,
-            wait=self.once.lease,
-            exclude=("message", "error"),
-        )(hand_off)
 
         async def consume(message: AbstractIncomingMessage) -> None:
             key = self.key(message) if self.key is not None else message.message_id
@@ -151,23 +167,20 @@ class RabbitMQGuard:
             if attempt is not None and attempt > self.max_attempts:
                 # Exhausted before, its hand-off's acknowledgement lost: replay the hand-off.
                 error: BaseException = AttemptsUnknown(f"delivery {attempt} of {self.max_attempts}")
-                await self._hand_off(exhausted, key, body, message, error)
+                await self._hand_off(key, body, message, error)
                 return
             try:
                 await self._unto_the_end(self._held(run, key, body, message))
-            except KeyReused:
-                logger.error(
-                    "idempotency.message_id_reused",
-                    extra={"namespace": self.namespace, "digest": body[:16]},
-                )
-                await message.reject(requeue=False)
-                return
             except (InProgress, StoreError):
                 # It did not run here: the holder is still at it, or the store failed.
                 await asyncio.sleep(self.requeue_delay)
                 await message.nack(requeue=True)
                 return
             except Exception as exc:
+                refused = cannot_run(exc)  # the same on every delivery: no retry
+                if refused is not None:
+                    await self._hand_off(key, body, message, refused)
+                    return
                 if attempt is not None and attempt < self.max_attempts:
                     await asyncio.sleep(self.requeue_delay)
                     await message.nack(requeue=True)
@@ -181,7 +194,7 @@ class RabbitMQGuard:
                     )
                     error.__cause__ = exc
                     exc = error
-                await self._hand_off(exhausted, key, body, message, exc)
+                await self._hand_off(key, body, message, exc)
                 return
             await self._acknowledge(message)
 
@@ -233,30 +246,25 @@ class RabbitMQGuard:
             )
 
     async def _hand_off(
-        self,
-        exhausted: Callable[..., Awaitable[Any]],
-        key: str,
-        body: str,
-        message: AbstractIncomingMessage,
-        error: BaseException,
+        self, key: str, body: str, message: AbstractIncomingMessage, error: BaseException
     ) -> None:
         try:
-            await exhausted(key, body, message, error)
-        except Exception:
-            logger.exception("idempotency.hand_off_failed", extra={"namespace": self.namespace})
+            handed = await self._dead.hand_off(key, body, message, error)
+        except Exception:  # logged by the dead letter: requeued, handed off next time
             await asyncio.sleep(self.requeue_delay)
             await message.nack(requeue=True)
             return
-        await self._acknowledge(message)
+        await self._acknowledge(message, reject=not handed)
 
-    async def _acknowledge(self, message: AbstractIncomingMessage) -> None:
-        """Acknowledge a message whose outcome is recorded.
+    async def _acknowledge(self, message: AbstractIncomingMessage, *, reject: bool = False) -> None:
+        """Acknowledge a message whose outcome is recorded (or, with nobody to hand it off
+        to, reject it without requeue: to the queue's dead-letter exchange).
 
         An acknowledgement can be lost (the channel closed meanwhile, as the broker's
         consumer timeout closes it): the broker redelivers, and the redelivery replays.
         """
         try:
-            await message.ack()
+            await (message.reject(requeue=False) if reject else message.ack())
         except Exception:  # aiormq's channel and connection errors, whichever closed
             logger.warning("idempotency.ack_lost", extra={"namespace": self.namespace})
 
