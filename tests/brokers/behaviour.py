@@ -4,7 +4,9 @@
 its process id, and hangs, to be killed), ``block_first`` (as ``block`` on the run's
 first call, as ``effect`` after), ``slow`` (records ``started``, runs on until the process gets
 SIGUSR1, then records its effect), ``fail`` (records an ``attempt`` and raises).
-``CRASH=before_ack``: the consumer SIGKILLs itself where it would acknowledge.
+``CRASH=before_ack``: the consumer SIGKILLs itself where it would acknowledge;
+``CRASH=after_write``: in transactional mode (``TRANSACTIONAL=1``, :func:`behave_in`),
+right after its effect is written through the session, before it commits.
 ``DEAD_LETTER=none``: the guard is given no ``on_exhausted``. Every handler first
 decodes its message's body as JSON (:func:`decode`).
 """
@@ -16,6 +18,8 @@ import json
 import os
 import signal
 from typing import Any
+
+from sqlalchemy import text
 
 from asgi_idempotency import Undecodable
 from tests.brokers.effects import counted, record
@@ -49,6 +53,23 @@ async def behave(run: str) -> str:
         await record(DB, run, "attempt", NAME)
         raise RuntimeError("the downstream refused")
     await record(DB, run, "effect", NAME)
+    return NAME
+
+
+def transactional() -> bool:
+    """Whether the guard runs in transactional mode (``TRANSACTIONAL=1``)."""
+    return ENV.get("TRANSACTIONAL", "") == "1"
+
+
+async def behave_in(session: Any, run: str) -> str:
+    """The effect written through the guard's session: it commits with the record."""
+    await session.execute(
+        text("INSERT INTO broker_effects (run, kind, consumer) VALUES (:run, 'effect', :name)"),
+        {"run": run, "name": NAME},
+    )
+    await session.flush()  # on the server now, not yet committed
+    if CRASH == "after_write":
+        os.kill(os.getpid(), signal.SIGKILL)
     return NAME
 
 

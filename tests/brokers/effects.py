@@ -16,13 +16,25 @@ def dsn(url: str) -> str:
     return url.replace("postgresql+asyncpg://", "postgresql://", 1)
 
 
+_TABLE = (
+    "CREATE TABLE IF NOT EXISTS broker_effects "
+    "(run text NOT NULL, kind text NOT NULL, consumer text NOT NULL)"
+)
+
+
+async def ensure_table(url: str) -> None:
+    """The effects table, for a consumer that writes its effect through the guard's session."""
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        await conn.execute(_TABLE)
+    finally:
+        await conn.close()
+
+
 async def record(url: str, run: str, kind: str, consumer: str) -> None:
     conn = await asyncpg.connect(dsn(url))
     try:
-        await conn.execute(
-            "CREATE TABLE IF NOT EXISTS broker_effects "
-            "(run text NOT NULL, kind text NOT NULL, consumer text NOT NULL)"
-        )
+        await conn.execute(_TABLE)
         await conn.execute(
             "INSERT INTO broker_effects (run, kind, consumer) VALUES ($1, $2, $3)",
             run, kind, consumer,

@@ -16,6 +16,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import Any
 
 import nats
 import nats.errors
@@ -27,13 +28,15 @@ from tests.brokers.behaviour import (
     DB,
     NAME,
     behave,
+    behave_in,
     crash_before_ack,
     dead_letter,
     decode,
     handing_off,
     listen,
+    transactional,
 )
-from tests.brokers.effects import record
+from tests.brokers.effects import ensure_table, record
 
 ENV = os.environ
 STREAM = ENV["STREAM"]
@@ -53,6 +56,11 @@ async def handle(msg: Msg) -> str:
     return await behave(STREAM)
 
 
+async def handle_in_transaction(msg: Msg, *, session: Any) -> str:
+    decode(msg.data)
+    return await behave_in(session, STREAM)
+
+
 async def hand_off(msg: Msg, error: BaseException) -> None:
     await dead_letter(STREAM, error)
 
@@ -65,6 +73,7 @@ async def unguarded(msg: Msg) -> None:
 
 async def main() -> None:
     listen()
+    await ensure_table(DB)
     lease = timedelta(seconds=float(ENV.get("LEASE", "1")))
     once = Once(SQLStore(DB), lease=lease, retry_after=0.2)
     guard = CrashingGuard(
@@ -74,13 +83,16 @@ async def main() -> None:
         on_exhausted=hand_off if handing_off() else None,
         max_attempts=int(ENV.get("MAX_ATTEMPTS", "3")),
         nak_delay=0.2,
+        transactional=transactional(),
     )
     client = await nats.connect(ENV["NATS_URL"])
     js = client.jetstream()
     await guard.check(js, STREAM, "workers")
     subscription = await js.pull_subscribe_bind("workers", STREAM)
     callback: Callable[[Msg], Awaitable[None]] = (
-        guard(handle) if ENV.get("GUARDED", "1") == "1" else unguarded
+        guard(handle_in_transaction if transactional() else handle)
+        if ENV.get("GUARDED", "1") == "1"
+        else unguarded
     )
     print("consuming", flush=True)
     while True:

@@ -23,12 +23,15 @@ from tests.brokers.behaviour import (
     DB,
     NAME,
     behave,
+    behave_in,
     crash_before_ack,
     dead_letter,
     decode,
     handing_off,
     listen,
+    transactional,
 )
+from tests.brokers.effects import ensure_table
 
 ENV = os.environ
 QUEUE = ENV["QUEUE"]
@@ -48,6 +51,11 @@ async def handle(message: AbstractIncomingMessage) -> str:
     return await behave(QUEUE)
 
 
+async def handle_in_transaction(message: AbstractIncomingMessage, *, session: Any) -> str:
+    decode(message.body)
+    return await behave_in(session, QUEUE)
+
+
 async def hand_off(message: AbstractIncomingMessage, error: BaseException) -> None:
     await dead_letter(QUEUE, error)
 
@@ -60,6 +68,7 @@ async def unguarded(message: AbstractIncomingMessage) -> None:
 
 async def main() -> None:
     listen()
+    await ensure_table(DB)
     lease = timedelta(seconds=float(ENV.get("LEASE", "3")))
     once = Once(SQLStore(DB), lease=lease, retry_after=0.2)
     guard = CrashingGuard(
@@ -68,6 +77,7 @@ async def main() -> None:
         on_exhausted=hand_off if handing_off() else None,
         max_attempts=int(ENV.get("MAX_ATTEMPTS", "3")),
         requeue_delay=0.2,
+        transactional=transactional(),
     )
     connection = await aio_pika.connect(
         ENV["AMQP_URL"], client_properties={"connection_name": f"{QUEUE}:{NAME}"}
@@ -76,7 +86,8 @@ async def main() -> None:
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=1)
         queue = await channel.get_queue(QUEUE)
-        callback: Any = guard(handle) if ENV.get("GUARDED", "1") == "1" else unguarded
+        handler = handle_in_transaction if transactional() else handle
+        callback: Any = guard(handler) if ENV.get("GUARDED", "1") == "1" else unguarded
         await queue.consume(callback)
         print("consuming", flush=True)
         await asyncio.Event().wait()

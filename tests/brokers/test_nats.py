@@ -135,6 +135,26 @@ async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_
     assert effects == {"0": 2, "1": 1}
 
 
+async def test_transactional_killed_after_its_write_leaves_nothing_and_runs_once(
+    nats_url: str, pg_url: str, stream: str, tmp_path: Path
+) -> None:
+    """transactional=True: the consumer dies after writing its effect through the guard's
+    session, before it commits: the effect rolls back with the claim, and the redelivery
+    (after ack_wait) runs it once."""
+    with running() as started:
+        first = start(
+            started, tmp_path, nats_url, stream, pg_url, "first",
+            TRANSACTIONAL="1", CRASH="after_write",
+        )  # fmt: skip
+        await publish(nats_url, stream, "msg-tx", b'{"order": "A-88214"}')
+        assert first.wait_dead() == -9
+        assert (await counted(pg_url, stream)).get("effect", 0) == 0
+        second = start(started, tmp_path, nats_url, stream, pg_url, "second", TRANSACTIONAL="1")
+        second.wait_for("acked")
+        assert await counted(pg_url, stream) == {"effect": 1}
+        assert await pending(nats_url, stream) == (0, 0)
+
+
 async def test_killed_mid_handler_the_redelivery_takes_over(
     nats_url: str, pg_url: str, stream: str, tmp_path: Path
 ) -> None:

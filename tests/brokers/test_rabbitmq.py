@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -106,6 +107,33 @@ async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_
             assert "exhausted" not in got  # a replay, not a hand-off
             assert await ready_count(amqp_url, run) == 0  # acknowledged in the end
     assert effects == {"0": 2, "1": 1}
+
+
+async def test_transactional_killed_after_its_write_leaves_nothing_and_runs_once_at_once(
+    amqp_url: str, pg_url: str, queue_name: str, tmp_path: Path
+) -> None:
+    """transactional=True: the consumer dies after writing its effect through the guard's
+    session, before it commits; the database rolls back the effect with the claim, and the
+    redelivery runs it once, without waiting out the (long) lease."""
+    lease = "30"
+    async with _queue(amqp_url, queue_name, "quorum"):
+        with running() as started:
+            first = start(
+                started, tmp_path, amqp_url, queue_name, pg_url, "first",
+                TRANSACTIONAL="1", CRASH="after_write", LEASE=lease,
+            )  # fmt: skip
+            await publish(amqp_url, queue_name, "msg-tx", b'{"order": "A-88214"}')
+            assert first.wait_dead() == -9
+            assert (await counted(pg_url, queue_name)).get("effect", 0) == 0
+            began = time.monotonic()
+            second = start(
+                started, tmp_path, amqp_url, queue_name, pg_url, "second",
+                TRANSACTIONAL="1", LEASE=lease,
+            )  # fmt: skip
+            second.wait_for("acked", timeout=25)
+            assert time.monotonic() - began < float(lease) / 2  # no lease waited out
+        assert await counted(pg_url, queue_name) == {"effect": 1}
+        assert await ready_count(amqp_url, queue_name) == 0
 
 
 async def test_killed_mid_handler_the_redelivery_takes_over_after_the_lease(

@@ -290,7 +290,7 @@ class Once:
         given = self.namespace if namespace is None else _namespace(namespace)
         excluded = frozenset(exclude)
         if transactional:
-            self._transactions_needed()
+            self.require_transactions()
             if wait is not None:
                 raise ValueError(_NO_WAIT_IN_TRANSACTIONS)
             wait_ = None
@@ -351,7 +351,7 @@ class Once:
         """
         transactional = bool(kwargs.pop("transactional", False))
         if transactional:
-            self._transactions_needed()
+            self.require_transactions()
             name = _qualname(fn)
             space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
             signature = _without_session(fn, inspect.signature(fn))
@@ -366,8 +366,12 @@ class Once:
         call = self._prepare(key, fn, args, kwargs)
         return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
 
-    def _transactions_needed(self) -> None:
-        """Refuse transactional mode on a store that cannot honour it (before any run)."""
+    def require_transactions(self) -> None:
+        """Refuse transactional mode on a store that cannot honour it (before any run).
+
+        Raises:
+            ValueError: the store has no transactions; the message names transactional mode.
+        """
         why = self._core.transactions_unavailable()
         if why is not None:
             raise ValueError(

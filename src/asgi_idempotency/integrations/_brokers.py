@@ -23,15 +23,17 @@ redelivery of one handed off; ``rejected``: given to the broker's dead letter).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
 from asgi_idempotency.core.canonical import CanonicalJSONError, canonical_json
 from asgi_idempotency.core.errors import (
     AttemptsUnknown,
+    InProgress,
     KeyReused,
     MissingMessageId,
     Undecodable,
@@ -211,6 +213,42 @@ def _hand_off_key(key: str, body: str) -> str:
     # The body digest keeps apart the hand-offs of two bodies sent under one id (a reused
     # id): each is handed off once, and neither replays the other's.
     return f"{key}\x00{body}"
+
+
+def guarded_run(
+    once: Once, namespace: str, handler: Callable[..., Awaitable[Any]], *, transactional: bool
+) -> Callable[..., Awaitable[Any]]:
+    """A preset's guarded call, ``run(key, body_digest, message)``: ``handler(message)``
+    once per key, fingerprinted by the body's digest (the message object is not).
+
+    A redelivery that finds a holder waits for it up to one lease: a dead holder's claim
+    lapses within it and is taken over. With ``transactional``, ``handler(message,
+    session=...)`` writes through the transaction that holds the claim: its effect
+    commits with the record, and a consumer killed before that leaves nothing, so the
+    redelivery runs at once. A holder's claim is then an open transaction nobody can
+    wait on: the call raises :class:`InProgress` at once, and the preset pauses before
+    asking again (:func:`pause_in_progress`).
+    """
+    if transactional:
+
+        async def deliver_in_transaction(key: str, body: str, message: Any, *, session: Any) -> Any:
+            return await handler(message, session=session)
+
+        return once(key=_first, namespace=namespace, exclude=("message",), transactional=True)(
+            deliver_in_transaction
+        )
+
+    async def deliver(key: str, body: str, message: Any) -> Any:
+        return await handler(message)
+
+    return once(key=_first, namespace=namespace, wait=once.lease, exclude=("message",))(deliver)
+
+
+async def pause_in_progress(exc: InProgress, transactional: bool) -> None:
+    """Before asking again for a key another consumer holds: nothing in the default mode
+    (the call itself waited for the holder), its ``retry_after`` in a transaction."""
+    if transactional:
+        await asyncio.sleep(min(exc.retry_after, 1.0))
 
 
 def _first(key: str, *_: object, **__: object) -> str:

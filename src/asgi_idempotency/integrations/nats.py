@@ -52,14 +52,17 @@ from asgi_idempotency.integrations._brokers import (
     cannot_run,
     check_attempts,
     check_lease,
+    guarded_run,
     namespaced,
+    pause_in_progress,
 )
 
 __all__ = ["JetStreamGuard", "KeyReused", "MissingMessageId", "Undecodable", "stream_sequence"]
 
 logger = logging.getLogger("asgi_idempotency.integrations.nats")
 
-Handler = Callable[[Msg], Awaitable[Any]]
+# ``async (msg) -> result``, or ``async (msg, *, session)`` when transactional.
+Handler = Callable[..., Awaitable[Any]]
 OnExhausted = Callable[[Msg, BaseException], Awaitable[Any]]
 
 
@@ -98,10 +101,15 @@ class JetStreamGuard:
         max_attempts: deliveries a failing handler gets before the hand-off (default 5).
         key: ``msg -> str``, the key when it is not the ``Nats-Msg-Id`` header.
         nak_delay: seconds before a ``nak``-ed message is redelivered (default 1.0).
+        transactional: the handler is ``async (msg, *, session)`` and writes its effect
+            through ``session`` (an ``AsyncSession`` in the transaction that holds the
+            claim), so the effect commits with the record: a consumer killed before that
+            leaves nothing, and the redelivery runs it once, with no lease to wait out.
+            Needs a store with transactions (``SQLStore`` on Postgres or MariaDB).
 
     Raises:
         ValueError: the lease is not shorter than ``ack_wait``; a bad ``max_attempts``
-            or ``namespace``.
+            or ``namespace``; ``transactional`` on a store without transactions.
     """
 
     def __init__(
@@ -114,8 +122,12 @@ class JetStreamGuard:
         max_attempts: int = 5,
         key: Callable[[Msg], str] | None = None,
         nak_delay: float = 1.0,
+        transactional: bool = False,
     ) -> None:
         check_lease(once.lease, ack_wait, "ack_wait")
+        if transactional:
+            once.require_transactions()
+        self.transactional = transactional
         self.once = once
         self.namespace, self._exhausted_namespace = namespaced(namespace)
         self.ack_wait = ack_wait
@@ -155,13 +167,9 @@ class JetStreamGuard:
     def __call__(self, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
         """The message callback for ``handler`` (``async (msg) -> result``)."""
 
-        async def deliver(key: str, data: str, msg: Msg) -> Any:
-            return await handler(msg)
-
         # A redelivery that finds a holder waits for it (the delivery kept in progress
         # meanwhile): a dead holder's claim lapses within a lease and is taken over.
-        wait = self.once.lease
-        run = self.once(key=_first, namespace=self.namespace, wait=wait, exclude=("msg",))(deliver)
+        run = guarded_run(self.once, self.namespace, handler, transactional=self.transactional)
 
         async def consume(msg: Msg) -> None:
             key = self.key(msg) if self.key is not None else (msg.headers or {}).get("Nats-Msg-Id")
@@ -203,8 +211,10 @@ class JetStreamGuard:
         delivery kept in progress), for a live holder renews its claim and a dead
         one's lapses within a lease."""
         while True:
-            with contextlib.suppress(InProgress):
+            try:
                 return await run(key, data, msg)
+            except InProgress as exc:
+                await pause_in_progress(exc, self.transactional)
 
     @contextlib.asynccontextmanager
     async def _in_progress(self, msg: Msg) -> AsyncIterator[None]:
@@ -246,7 +256,3 @@ class JetStreamGuard:
             await (msg.term() if terminate else msg.ack())
         except Exception:  # the connection's errors: the server redelivers, we replay
             logger.warning("idempotency.ack_lost", extra=self._fields)
-
-
-def _first(key: str, *_: object, **__: object) -> str:
-    return key

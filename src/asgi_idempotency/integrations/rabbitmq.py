@@ -49,7 +49,9 @@ from asgi_idempotency.integrations._brokers import (
     cannot_run,
     check_attempts,
     check_lease,
+    guarded_run,
     namespaced,
+    pause_in_progress,
 )
 
 __all__ = [
@@ -63,7 +65,8 @@ __all__ = [
 
 logger = logging.getLogger("asgi_idempotency.integrations.rabbitmq")
 
-Handler = Callable[[AbstractIncomingMessage], Awaitable[Any]]
+# ``async (message) -> result``, or ``async (message, *, session)`` when transactional.
+Handler = Callable[..., Awaitable[Any]]
 OnExhausted = Callable[[AbstractIncomingMessage, BaseException], Awaitable[Any]]
 
 # RabbitMQ's own default (rabbitmq.conf ``consumer_timeout``): 30 minutes.
@@ -108,10 +111,16 @@ class RabbitMQGuard:
         key: ``message -> str``, the key when it is not the ``message_id``.
         requeue_delay: seconds to hold a message before requeueing it (a failed handler,
             a holder still running, a store outage), so a requeue is not a busy loop.
+        transactional: the handler is ``async (message, *, session)`` and writes its
+            effect through ``session`` (an ``AsyncSession`` in the transaction that holds
+            the claim), so the effect commits with the record: a consumer killed before
+            that leaves nothing, and the redelivery runs it once, with no lease to wait
+            out. Needs a store with transactions (``SQLStore`` on Postgres or MariaDB).
 
     Raises:
         ValueError: the lease is not shorter than ``consumer_timeout``; a bad
-            ``max_attempts`` or ``namespace``.
+            ``max_attempts`` or ``namespace``; ``transactional`` on a store without
+            transactions.
     """
 
     def __init__(
@@ -124,8 +133,12 @@ class RabbitMQGuard:
         consumer_timeout: timedelta = DEFAULT_CONSUMER_TIMEOUT,
         key: Callable[[AbstractIncomingMessage], str] | None = None,
         requeue_delay: float = 1.0,
+        transactional: bool = False,
     ) -> None:
         check_lease(once.lease, consumer_timeout, "consumer_timeout")
+        if transactional:
+            once.require_transactions()
+        self.transactional = transactional
         self.once = once
         self.namespace, self._exhausted_namespace = namespaced(namespace)
         self.on_exhausted = on_exhausted
@@ -145,14 +158,7 @@ class RabbitMQGuard:
     def __call__(self, handler: Handler) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
         """The consume callback for ``handler`` (``async (message) -> result``)."""
 
-        async def deliver(key: str, body: str, message: AbstractIncomingMessage) -> Any:
-            return await handler(message)
-
-        # A redelivery that finds a holder waits up to one lease for its result: a dead
-        # holder's claim lapses within it and is then taken over.
-        run = self.once(
-            key=_first, namespace=self.namespace, wait=self.once.lease, exclude=("message",)
-        )(deliver)
+        run = guarded_run(self.once, self.namespace, handler, transactional=self.transactional)
 
         async def consume(message: AbstractIncomingMessage) -> None:
             key = self.key(message) if self.key is not None else message.message_id
@@ -216,9 +222,10 @@ class RabbitMQGuard:
         while True:
             try:
                 return await run(key, body, message)
-            except InProgress:
+            except InProgress as exc:
                 if loop.time() + self.once.lease.total_seconds() >= until:
                     raise
+                await pause_in_progress(exc, self.transactional)
 
     async def _unto_the_end(self, call: Awaitable[Any]) -> Any:
         """Await the guarded call, which runs to its end even if this delivery is cancelled.
@@ -267,7 +274,3 @@ class RabbitMQGuard:
             await (message.reject(requeue=False) if reject else message.ack())
         except Exception:  # aiormq's channel and connection errors, whichever closed
             logger.warning("idempotency.ack_lost", extra={"namespace": self.namespace})
-
-
-def _first(key: str, *_: object, **__: object) -> str:
-    return key
