@@ -20,11 +20,11 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.keys import MAX_ROUTE_LENGTH
 from asgi_idempotency.core.lease import LeaseRenewals, Renewal, complete_later
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
+from asgi_idempotency.core.store import NewClaim, Store, StoredResponse
 from asgi_idempotency.core.waiting import POLL_MAX, Waiters
 from asgi_idempotency.http.policy import Policy
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.observer import Observer
-from asgi_idempotency.stores.base import NewClaim, Store, StoredResponse
 
 __all__ = ["Execution", "Executor"]
 

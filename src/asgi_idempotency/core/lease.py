@@ -17,8 +17,8 @@ from typing import Protocol
 
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.core.store import RecordStatus, Store, StoredResponse
 from asgi_idempotency.observability.observer import Observer
-from asgi_idempotency.stores.base import RecordStatus, Store, StoredResponse
 
 __all__ = ["LeaseRenewal", "LeaseRenewals", "Renewal", "complete_later"]
 
