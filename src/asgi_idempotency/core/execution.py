@@ -20,11 +20,10 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.keys import MAX_ROUTE_LENGTH
 from asgi_idempotency.core.lease import LeaseRenewals, Renewal, complete_later
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
+from asgi_idempotency.core.observing import Observing
+from asgi_idempotency.core.policy import ExecutionPolicy as Policy
 from asgi_idempotency.core.store import NewClaim, Store, StoredResponse
 from asgi_idempotency.core.waiting import POLL_MAX, Waiters
-from asgi_idempotency.http.policy import Policy
-from asgi_idempotency.observability import tracing
-from asgi_idempotency.observability.observer import Observer
 
 __all__ = ["Execution", "Executor"]
 
@@ -61,7 +60,7 @@ class Executor:
         clock: Callable[[], datetime],
         fail_open: bool,
         retry_after: float,
-        observer: Observer,
+        observer: Observing,
     ) -> None:
         self.store, self.clock = store, clock
         self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
@@ -116,14 +115,14 @@ class Executor:
                 waited_s=round((now - began).total_seconds(), 3),
             )  # fmt: skip
             if span is not None:
-                tracing.annotate(span, waited=True)
+                self.observer.annotate(span, waited=True)
         if not claim.owned:
             return Execution(claim, now, key, "", route, policy, None, None)
         if claim.outcome is ClaimOutcome.TAKEN_OVER:
             self.observer.log(logging.WARNING, "idempotency.takeover", route, key,
                               outcome="taken_over")  # fmt: skip
             if span is not None:
-                tracing.annotate(span, taken_over=True)
+                self.observer.annotate(span, taken_over=True)
             self.observer.takeover(route)
         if transaction:
             return Execution(claim, now, key, token, route, policy, None, None)

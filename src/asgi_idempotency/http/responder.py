@@ -97,6 +97,7 @@ class Runtime(Executor):
     clock, the settings), the app and the regenerated-key detector."""
 
     __slots__ = ("app", "regenerated")
+    observer: Observer  # the core's Observing, with the outcome counts HTTP adds
 
     def __init__(
         self,
