@@ -125,14 +125,14 @@ def _upward_imports() -> list[str]:
     climbs: list[str] = []
     for module, path in sorted(_module_names().items()):
         here = _folder(module)
-        if here not in LAYERS or path.parent == PACKAGE:
+        if here is None or here not in LAYERS or path.parent == PACKAGE:
             continue
         for line, targets in _import_statements(path, module):
-            floors = {_folder(t) for t in targets} & LAYERS.keys()
+            floors = {f for f in map(_folder, targets) if f is not None and f in LAYERS}
             climbs.extend(
                 f"{path.relative_to(PACKAGE)}:{line} {here} -> {there}"
                 for there in sorted(floors)
-                if there is not None and LAYERS[there] > LAYERS[here]
+                if LAYERS[there] > LAYERS[here]
             )
     return climbs
 

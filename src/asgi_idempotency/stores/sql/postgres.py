@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 
 import asyncpg
 from sqlalchemy import text
+from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.pool import PoolProxiedConnection
 
@@ -32,6 +33,7 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
 from asgi_idempotency.stores.codec import encode_headers, pg_time, to_record
+from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.sql.dialect import (
     HotPath,
     HotPathOptions,
@@ -39,7 +41,7 @@ from asgi_idempotency.stores.sql.dialect import (
     leave_engine,
     pool_options,
 )
-from asgi_idempotency.stores.sql.errors import PG_ERRORS, ErrorBoundary
+from asgi_idempotency.stores.sql.errors import sql_boundary, unwrap
 from asgi_idempotency.stores.sql.queries import prune_by_ctid
 from asgi_idempotency.stores.sql.statements import (
     CLAIM_LOCKED,
@@ -51,8 +53,9 @@ from asgi_idempotency.stores.sql.statements import (
 )
 
 __all__ = [
-    "ONE_STATEMENT",
     "IdempotencyTransaction",
+    "ONE_STATEMENT",
+    "PG_ERRORS",
     "PostgresDriver",
     "PostgresTransaction",
     "claimed_row",
@@ -60,6 +63,57 @@ __all__ = [
     "own_claim",
     "statement_timeout_ms",
 ]
+
+
+# SQLAlchemy's asyncpg adapter re-raises asyncpg's errors as DBAPI exceptions of its
+# own, which derive from Exception alone. Engine and Core wrap them in DBAPIError,
+# but the hot path's AsyncEngine.raw_connection() lets them through as they are: an
+# unknown role, an unknown database or a wrong password at connect.
+_ASYNCPG_ADAPTED: type[Exception] = AsyncAdapt_asyncpg_dbapi.Error
+
+# Failures after which a Postgres connection is not reused, besides asyncpg reporting
+# it closed (the rest are SQL errors on a healthy connection). InternalClientError is
+# asyncpg's protocol state gone astray: a connection the server ended while it was idle
+# reads its farewell (57P01) out of turn and refuses every later statement with
+# "cannot switch to state N" before it is sent. Not TimeoutError: on
+# command_timeout asyncpg sends a cancel request so that the server abandons the
+# statement; terminating the connection instead would let a claim blocked on a lock
+# commit after the client got its 503, and the retry would meet its own row (409).
+_PG_BROKEN: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.InterfaceError,  # "connection is closed", ConnectionDoesNotExistError
+    asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+)
+
+
+def _pg_unwrap(exc: BaseException) -> BaseException:
+    """asyncpg's own exception inside SQLAlchemy's wrappers."""
+    driver = unwrap(exc)
+    if isinstance(driver, _ASYNCPG_ADAPTED) and driver.__cause__ is not None:
+        driver = driver.__cause__
+    return driver
+
+
+def _pg_breaks(exc: BaseException) -> bool:
+    driver = _pg_unwrap(exc)
+    return isinstance(driver, _PG_BROKEN) and not isinstance(driver, TimeoutError)
+
+
+PG_ERRORS = sql_boundary(
+    (
+        _ASYNCPG_ADAPTED,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,  # includes ConnectionDoesNotExistError
+        asyncpg.InternalClientError,
+    ),
+    _pg_breaks,
+    missing_table=lambda exc: isinstance(exc, asyncpg.UndefinedTableError),
+    unwrap=_pg_unwrap,
+)
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ driver for the same statements on Postgres, and far more on SQLite
 
 Everything off the hot path (``get``, ``find``, ``buckets``, ``prune``) runs through
 Core on an autocommit connection (:mod:`.queries`), inside the backend's error
-boundary (:mod:`.sqlerrors`).
+boundary (:mod:`asgi_idempotency.stores.errors`, declared per driver).
 
 The pool and the hot path's connections belong to one event loop at a time: called
 from another, the store opens fresh ones there and closes the old ones on their own
