@@ -38,7 +38,8 @@ from asgi_idempotency.stores.codec import encode_headers, mysql_time, to_record
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions
 from asgi_idempotency.stores.sql.mysql import DIALECT as _MYSQL
 from asgi_idempotency.stores.sql.mysql import MYSQL_ERRORS, MySQLDriver, _check_claim
-from asgi_idempotency.stores.sql.postgres import IdempotencyTransaction, own_claim
+from asgi_idempotency.stores.sql.pool import own_claim
+from asgi_idempotency.stores.sql.postgres import IdempotencyTransaction
 from asgi_idempotency.stores.sql.statements import (
     MARIADB_TX_CLAIM,
     MARIADB_TX_COMPLETE,

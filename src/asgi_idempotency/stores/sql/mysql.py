@@ -3,7 +3,7 @@
 ``SQLStore("mariadb+asyncmy://…")`` or ``("mysql+asyncmy://…")`` (the ``mysql`` extra).
 SQLAlchemy owns the schema, the engine, its pool and dialect selection, as on
 Postgres; the hot path keeps some of the pool's connections checked out (the
-connection keeping is :class:`~.postgres.PostgresDriver`'s, which is driver-neutral)
+connection keeping is :class:`~.pool.KeptConnections`, which is driver-neutral)
 and runs the statements of :data:`.statements.MYSQL` on them as server-side prepared
 statements, in autocommit: one statement, one round trip, no BEGIN/COMMIT.
 
@@ -49,7 +49,7 @@ from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.codec import mysql_time
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions, SQLDialect, pool_options
 from asgi_idempotency.stores.sql.errors import sql_boundary
-from asgi_idempotency.stores.sql.postgres import LANDED, PostgresDriver, own_claim
+from asgi_idempotency.stores.sql.pool import LANDED, KeptConnections, own_claim
 from asgi_idempotency.stores.sql.schema import records
 from asgi_idempotency.stores.sql.statements import MYSQL, MYSQL_CLOCK
 
@@ -168,12 +168,12 @@ def _check_claim(values: dict[str, Any]) -> None:
             )
 
 
-class MySQLDriver(PostgresDriver):
+class MySQLDriver(KeptConnections):
     """asyncmy connections from SQLAlchemy's pool, kept by the hot path between statements.
 
     The keeping (``limit`` connections at most, FIFO waiters, ``timeout`` seconds for a
     free one, a broken connection taking the idle ones with it) is
-    :class:`~.postgres.PostgresDriver`'s; what differs is the driver: asyncmy's
+    :class:`~.pool.KeptConnections`'s, as for Postgres; what is this driver's: asyncmy's
     prepared statements, autocommit turned on per connection, and which errors break
     a connection (:data:`MYSQL_ERRORS`).
     """
@@ -281,7 +281,7 @@ class MySQLDriver(PostgresDriver):
 
         Autocommit, so the SELECT reads the latest committed row: one deleted between
         the two statements reads as None and the store asks again. Sent once more if
-        its connection broke (:meth:`~.postgres.PostgresDriver._send`): a claim whose
+        its connection broke (:meth:`~.pool.KeptConnections._send`): a claim whose
         first attempt committed then meets its own row, answered as inserted.
         """
         _check_claim(values)
