@@ -11,9 +11,8 @@ transaction.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
@@ -25,8 +24,8 @@ from sqlalchemy.pool import PoolProxiedConnection
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.migrations import create_tables
-from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
-from asgi_idempotency.stores.codec import encode_headers, pg_time, to_record
+from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus
+from asgi_idempotency.stores.codec import pg_time, to_record
 from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.sql.dialect import (
     HotPath,
@@ -46,6 +45,12 @@ from asgi_idempotency.stores.sql.statements import (
     REPLACE,
     clock_claim_values,
 )
+from asgi_idempotency.stores.sql.transaction import (
+    IdempotencyTransaction,
+    SQLTransaction,
+    close,
+)
+from asgi_idempotency.stores.sql.transaction import open_transaction as sql_transaction
 
 __all__ = [
     "IdempotencyTransaction",
@@ -195,19 +200,7 @@ def claimed_row(values: dict[str, Any], at: datetime) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class IdempotencyTransaction:
-    """What a transactional handler writes through: one connection, one transaction.
-
-    ``session`` is bound to ``connection``; its ``commit()`` does not end the outer
-    transaction (the middleware commits it, with the record, after the handler).
-    """
-
-    connection: AsyncConnection
-    session: AsyncSession
-
-
-class PostgresTransaction:
+class PostgresTransaction(SQLTransaction):
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
     Round trips for a first request: BEGIN, claim (lock included), the handler's own
@@ -216,16 +209,19 @@ class PostgresTransaction:
     whose statement met a rival's commit asks once more.
     """
 
-    __slots__ = ("_closing", "_conn", "_engine", "_sent", "state")
+    __slots__ = ("_sent",)
+
+    errors = PG_ERRORS
+
+    @staticmethod
+    def gone(fairy: PoolProxiedConnection) -> bool:
+        return _gone(fairy)
 
     def __init__(
         self, engine: AsyncEngine, conn: AsyncConnection, closing: set[asyncio.Task[Any]]
     ) -> None:
-        self._engine = engine
-        self._closing = closing
+        super().__init__(engine, conn, closing)
         self._sent = False  # whether a statement of the transaction was sent on _conn
-        self._conn = conn
-        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
     async def _claim(self, values: dict[str, Any]) -> Sequence[Any]:
         """The claim statement; as the transaction's first, once more on a fresh
@@ -250,8 +246,8 @@ class PostgresTransaction:
         if dead.sync_connection is not None:
             dead.sync_connection.invalidate(broken)
         del broken  # its traceback holds this frame: no cycle left behind
-        await _close(dead, self._closing)
-        self._conn = await _begin(self._engine, self._closing)
+        await close(dead, self._closing)
+        self._conn = await self.begin(self._engine, self._closing)
         self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
         with PG_ERRORS:
             row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
@@ -288,76 +284,15 @@ class PostgresTransaction:
             result = await self._conn.execute(REPLACE, values)
         return bool(result.rowcount)
 
-    async def commit(
-        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
-    ) -> None:
-        values = {
-            "where_key": key,
-            "where_token": token,
-            "ttl_us": ttl // _US,
-            "response_status": response.status,
-            "response_headers": encode_headers(response.headers),
-            "response_body": response.body,
-        }
-        with PG_ERRORS:
-            await self.state.session.flush()
-            completed = (await self._conn.execute(COMPLETE, values)).rowcount
-            if completed != 1:
-                # The row is not this claim's (another token's, or gone): the claim was
-                # answered wrongly, and another run of the handler owns the key. Its
-                # writes must not land beside that run's; the retry replays its answer.
-                await self._conn.rollback()
-                raise StoreError("the record is not this transaction's claim; rolled back")
-            await self._conn.commit()
-
-    async def commit_writes(self) -> None:
-        with PG_ERRORS:
-            await self.state.session.flush()
-            await self._conn.commit()
+    async def _complete(self, values: dict[str, Any]) -> int:
+        return int((await self._conn.execute(COMPLETE, values)).rowcount)
 
 
-@asynccontextmanager
-async def open_transaction(
+def open_transaction(
     engine: AsyncEngine, closing: set[asyncio.Task[Any]]
-) -> AsyncIterator[PostgresTransaction]:
-    """A connection in a transaction; closing it (even when cancelled) rolls back what
-    was not committed and returns the connection to the pool."""
-    tx = PostgresTransaction(engine, await _begin(engine, closing), closing)
-    try:
-        yield tx
-    finally:
-        await _close(tx._conn, closing)
-
-
-async def _begin(engine: AsyncEngine, closing: set[asyncio.Task[Any]]) -> AsyncConnection:
-    """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
-    while True:
-        with PG_ERRORS:
-            conn = await engine.connect()
-        # One the server closed while it was idle, and asyncpg has read its end, would
-        # only fail the claim: skipped for the next, as the hot path's checkout does.
-        # Each one skipped is invalidated, so it connects afresh when next taken.
-        assert conn.sync_connection is not None  # set until the connection is closed
-        if not _gone(conn.sync_connection.connection):
-            break
-        conn.sync_connection.invalidate()
-        await _close(conn, closing)
-    try:
-        with PG_ERRORS:
-            await conn.begin()
-    except BaseException:
-        await conn.close()
-        raise
-    return conn
-
-
-async def _close(conn: AsyncConnection, closing: set[asyncio.Task[Any]]) -> None:
-    """Roll back what was not committed and return ``conn`` to the pool, even when
-    cancelled (in a task of its own, which the store's close waits for)."""
-    task = asyncio.ensure_future(conn.close())
-    closing.add(task)
-    task.add_done_callback(closing.discard)
-    await asyncio.shield(task)
+) -> AbstractAsyncContextManager[PostgresTransaction]:
+    """A connection in a transaction (:func:`.transaction.open_transaction`)."""
+    return sql_transaction(PostgresTransaction, engine, closing)
 
 
 # Serialises concurrent create_all calls on one database (a transaction-scoped lock).
