@@ -1,9 +1,13 @@
-"""One scenario table, run through HTTP (the middleware) and the function guard alike.
+"""One scenario table, run through every adapter of the runner alike.
 
-Both are adapters over one execution core (:mod:`asgi_idempotency.core.execution`), so
-every lifecycle event must look the same through either: each row is run through a
-tiny guarded Starlette app and through :class:`Once`, on the memory store and on a
-real Postgres, and the two columns' traces must equal each other and the table's.
+HTTP (the middleware), FastAPI's dependency claim (``from_dependency``) and the function
+guard are adapters over one runner (:mod:`asgi_idempotency.core.execution`), so every
+lifecycle event must look the same through each: each row is run through a tiny guarded
+Starlette app, a FastAPI app whose claim waits for its auth dependency, and
+:class:`Once`, on the memory store and on a real Postgres, and the columns' traces must
+equal each other and the table's. Transactional mode is a variant of the runner, not a
+path of its own: the rows it shares with the default mode run through the same three
+adapters in transactions, on Postgres and MariaDB, and agree the same way.
 Faults come from a thin wrapper over the real store (a completion or release it
 refuses, a claim that lands and whose answer never comes back), never a mock.
 """
@@ -11,24 +15,28 @@ refuses, a claim that lands and whose answer never comes back), never a mock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, Literal, NamedTuple
 
 import httpx
 import pytest
+from fastapi import Depends, FastAPI
+from fastapi.security import APIKeyHeader
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, Once, Policy
+from asgi_idempotency import IdempotencyMiddleware, Once, Policy, idempotent
 from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
 from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.functions.once import record_key
-from asgi_idempotency.http.principals import ANONYMOUS
+from asgi_idempotency.http.principals import ANONYMOUS, from_dependency
 from asgi_idempotency.stores.base import Busy, NewClaim, Record, RecordStatus, Store
 from tests.conftest import open_store
 
@@ -94,6 +102,31 @@ ROWS: list[tuple[str, list[str], list[str]]] = [
 ]
 
 
+# The rows transactional mode shares with the default (a bounded wait, completion
+# retries and orphaned claims are the default mode's: a transaction rolls back instead).
+# A claim in flight is an uncommitted transaction, so a reader sees its key free.
+TX_ROWS: list[tuple[str, list[str], list[str]]] = [
+    ("fresh", ["call 1", "record"], ["executed #1", "completed"]),
+    ("same key again", ["call 1", "call 1"], ["executed #1", "replayed #1"]),
+    ("different arguments", ["call 1", "call 2"], ["executed #1", "mismatch"]),
+    (
+        "in flight",
+        ["hold", "call 1", "record", "let go", "call 1"],
+        ["held", "in progress", "free", "executed #1", "replayed #1"],
+    ),
+    (
+        "handler raises",
+        ["fail", "call 1", "record", "call 1", "call 1"],
+        ["raised", "free", "executed #2", "replayed #2"],
+    ),
+    (
+        "the commit fails",
+        ["refuse commit", "call 1", "record", "call 1"],
+        ["unavailable", "free", "executed #2"],
+    ),
+]
+
+
 class Faults:
     """The real store, with the faults a step asks for; every other call goes through."""
 
@@ -102,10 +135,20 @@ class Faults:
         self.refuse_complete = False
         self.refuse_releases = False
         self.hang_claim = False
+        self.refuse_commit = False
         self.landed = asyncio.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Any]:
+        async with self.inner.transaction() as tx:  # type: ignore[attr-defined]
+            if self.refuse_commit:
+                self.refuse_commit = False
+                yield _RefusingCommit(tx)
+            else:
+                yield tx
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         got = await self.inner.insert(new)
@@ -125,6 +168,19 @@ class Faults:
         if self.refuse_releases:
             raise StoreError("connection lost while releasing")
         return await self.inner.release(key, token)
+
+
+class _RefusingCommit:
+    """A transaction whose commit fails as a lost connection would: nothing commits."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def commit(self, *args: Any, **kwargs: Any) -> None:
+        raise StoreError("connection lost while committing")
 
 
 class Handler:
@@ -158,7 +214,9 @@ class Column(NamedTuple):
     waiting: Callable[[], int]  # duplicates waiting here for a first in flight
 
 
-def over_http(store: Faults, handler: Handler, wait: timedelta | None) -> Column:
+def over_http(
+    store: Faults, handler: Handler, wait: timedelta | None, transactional: bool = False
+) -> Column:
     """The middleware over a tiny Starlette app."""
 
     async def pay(request: Request) -> JSONResponse:
@@ -170,36 +228,85 @@ def over_http(store: Faults, handler: Handler, wait: timedelta | None) -> Column
         middleware=[
             Middleware(
                 IdempotencyMiddleware, store=store, principal=ANONYMOUS,
-                policies={"POST /pay": Policy(lease=LEASE, wait=wait)},
+                policies={"POST /pay": Policy(lease=LEASE, wait=wait,
+                                              transactional=transactional)},
             )
         ],
     )  # fmt: skip
+    return Column(_http_call(app), scoped_key("", KEY, HOST), "/pay", _waiting(app))
+
+
+def over_fastapi_dependency(
+    store: Faults, handler: Handler, wait: timedelta | None, transactional: bool = False
+) -> Column:
+    """The middleware over a FastAPI app whose caller is named by its auth dependency:
+    the claim waits until FastAPI has resolved it."""
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, principal=from_dependency(caller))
+
+    @app.post("/pay", status_code=201)
+    @idempotent(lease=LEASE, wait=wait, transactional=transactional)
+    async def pay(body: Amount, who: str = Depends(caller)) -> dict[str, int]:
+        return await handler(body.amount)
+
+    return Column(_http_call(app), scoped_key(CALLER, KEY, HOST), "/pay", _waiting(app))
+
+
+class Amount(BaseModel):
+    amount: int
+
+
+CALLER = "acme"
+
+
+def caller(key: str = Depends(APIKeyHeader(name="X-API-Key"))) -> str:
+    return CALLER if key == "key-acme" else ""
+
+
+def _http_call(app: Any) -> Call:
     # raise_app_exceptions=False: the handler's error is the server's 500, as served.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    headers = {"Idempotency-Key": KEY, "X-API-Key": "key-acme"}
 
     async def call(amount: int) -> str:
         async with httpx.AsyncClient(transport=transport, base_url=f"http://{HOST}") as client:
-            got = await client.post(
-                "/pay", json={"amount": amount}, headers={"Idempotency-Key": KEY}
-            )
+            got = await client.post("/pay", json={"amount": amount}, headers=headers)
         if got.status_code == 201:
             replayed = got.headers.get("idempotent-replayed") == "true"
             return f"{'replayed' if replayed else 'executed'} #{got.json()['run']}"
-        return {422: "mismatch", 409: "in progress", 500: "raised"}[got.status_code]
+        outcomes = {422: "mismatch", 409: "in progress", 500: "raised", 503: "unavailable"}
+        return outcomes[got.status_code]
 
+    return call
+
+
+def _waiting(app: Any) -> Callable[[], int]:
     def waiting() -> int:
-        return IdempotencyMiddleware.of(app)._runtime.waiters.waiting()
+        return IdempotencyMiddleware.of(app)._runtime.runner.waiters.waiting()
 
-    return Column(call, scoped_key("", KEY, HOST), "/pay", waiting)
+    return waiting
 
 
-def over_once(store: Faults, handler: Handler, wait: timedelta | None) -> Column:
+def over_once(
+    store: Faults, handler: Handler, wait: timedelta | None, transactional: bool = False
+) -> Column:
     """The function guard."""
     once = Once(store, lease=LEASE, namespace=NAMESPACE, wait=wait)
+    pay: Callable[[str, int], Awaitable[dict[str, int]]]
+    if transactional:
 
-    @once(key=lambda order, amount: order)
-    async def pay(order: str, amount: int) -> dict[str, int]:
-        return await handler(amount)
+        @once(key=lambda order, amount: order, transactional=True)
+        async def pay_in_transaction(order: str, amount: int, *, session: Any) -> dict[str, int]:
+            return await handler(amount)
+
+        pay = pay_in_transaction
+    else:
+
+        @once(key=lambda order, amount: order)
+        async def pay_alone(order: str, amount: int) -> dict[str, int]:
+            return await handler(amount)
+
+        pay = pay_alone
 
     async def call(amount: int) -> str:
         runs = handler.runs
@@ -211,6 +318,8 @@ def over_once(store: Faults, handler: Handler, wait: timedelta | None) -> Column
             return "in progress"
         except RuntimeError:
             return "raised"
+        except StoreError:
+            return "unavailable"
         ran = handler.runs > runs
         return f"{'executed' if ran else 'replayed'} #{result['run']}"
 
@@ -224,14 +333,24 @@ async def record_state(store: Store, key: str) -> str:
     return "completed" if record.status is RecordStatus.COMPLETED else "in_progress"
 
 
+Adapter = Callable[[Faults, Handler, timedelta | None, bool], Column]
+ADAPTERS: dict[str, Adapter] = {
+    "http": over_http,
+    "fastapi dependency": over_fastapi_dependency,
+    "once": over_once,
+}
+
+
 async def play(
-    adapter: Callable[[Faults, Handler, timedelta | None], Column],
+    adapter: Adapter,
     store: Store,
     steps: list[str],
     caplog: pytest.LogCaptureFixture,
+    transactional: bool = False,
 ) -> list[str]:
     faults, handler = Faults(store), Handler()
-    call, key, route, waiting = adapter(faults, handler, LEASE if steps[0] == "wait" else None)
+    wait = LEASE if steps[0] == "wait" else None
+    call, key, route, waiting = adapter(faults, handler, wait, transactional)
     trace: list[str] = []
     held: asyncio.Task[str] | None = None
     waiter: asyncio.Task[str] | None = None
@@ -272,6 +391,8 @@ async def play(
                 handler.fail_next = True
             elif step == "refuse complete":
                 faults.refuse_complete = True
+            elif step == "refuse commit":
+                faults.refuse_commit = True
             elif step == "refuse releases":
                 faults.refuse_releases = True
             elif step == "hang claim":
@@ -314,7 +435,23 @@ async def test_http_and_once_agree_on_every_lifecycle_event(
     steps: list[str],
     expected: list[str],
 ) -> None:
+    traces = {}  # each adapter's record has a key of its own: they share the store
     with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
-        http = await play(over_http, real_store, steps, caplog)
-        once = await play(over_once, real_store, steps, caplog)
-    assert {"http": http, "once": once} == {"http": expected, "once": expected}
+        for name, adapter in ADAPTERS.items():
+            traces[name] = await play(adapter, real_store, steps, caplog)
+    assert traces == dict.fromkeys(ADAPTERS, expected)
+
+
+@pytest.mark.parametrize(("row", "steps", "expected"), TX_ROWS, ids=[row for row, _, _ in TX_ROWS])
+async def test_every_adapter_agrees_in_transactional_mode(
+    tx_store: Store,
+    caplog: pytest.LogCaptureFixture,
+    row: str,
+    steps: list[str],
+    expected: list[str],
+) -> None:
+    traces = {}
+    with caplog.at_level(logging.WARNING, logger="asgi_idempotency"):
+        for name, adapter in ADAPTERS.items():
+            traces[name] = await play(adapter, tx_store, steps, caplog, transactional=True)
+    assert traces == dict.fromkeys(ADAPTERS, expected)

@@ -107,7 +107,7 @@ def build(store: Any, handler: Handler, wait: timedelta) -> Starlette:
 
 
 def waiters(app: Starlette) -> Waiters:
-    return IdempotencyMiddleware.of(app)._runtime.waiters
+    return IdempotencyMiddleware.of(app)._runtime.runner.waiters
 
 
 def waiting(app: Starlette) -> int:
@@ -534,7 +534,7 @@ async def waits_without_garbage(store: Any, ends: str) -> None:
             await gate.entered.wait()
             duplicate = asyncio.ensure_future(call(app, f"{tag}-{i}", b'{"wait": true}'))
             if ends == "replayed":
-                await until(lambda: app._runtime.waiters.waiting() == 1)
+                await until(lambda: app._runtime.runner.waiters.waiting() == 1)
                 gate.opened.set()
                 assert await duplicate == 201
             else:

@@ -58,7 +58,7 @@ def count(request: Request) -> JSONResponse:
 
 async def waiting(request: Request) -> JSONResponse:
     guard = IdempotencyMiddleware.of(request.app)
-    return JSONResponse({"waiting": guard._runtime.waiters.waiting()})
+    return JSONResponse({"waiting": guard._runtime.runner.waiters.waiting()})
 
 
 def memory(request: Request) -> JSONResponse:

@@ -31,6 +31,7 @@ __all__ = [
     "in_progress_wait",
     "judge",
     "release_orphan",
+    "sighting",
     "state",
     "state_of",
 ]
@@ -191,6 +192,27 @@ async def claim(
             orphaned(new)
         raise
     raise StoreError(f"claim did not settle after {CLAIM_ATTEMPTS} attempts")
+
+
+async def sighting(store: Claimant, marker: NewClaim, now: datetime) -> str | None:
+    """Write a sighting ``marker`` (the regenerated-key detector's, :mod:`.regenerated`):
+    the request hash of the sighting it meets within its window, if any.
+
+    One ``insert``; a ``replace`` too when the marker found is past its window (this
+    sighting starts a new one; losing that swap means a concurrent one restarted it).
+
+    Raises:
+        StoreError: the store failed.
+    """
+    found = await store.insert(marker)
+    if found is None or found is BUSY:
+        # The first sighting; or, in a transaction, another one holds the marker's lock
+        # right now (a concurrent twin: missed, the count is a lower bound).
+        return None
+    if state_of(found, now) is RecordState.EXPIRED:
+        await store.replace(found, marker)
+        return None
+    return found.request_hash
 
 
 class Releaser(Protocol):

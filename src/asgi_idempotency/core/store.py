@@ -25,6 +25,7 @@ __all__ = [
     "STATUS_OF",
     "Bucket",
     "Busy",
+    "Capabilities",
     "NewClaim",
     "Record",
     "RecordStatus",
@@ -32,6 +33,7 @@ __all__ = [
     "StoreTransaction",
     "StoredResponse",
     "TransactionalStore",
+    "capabilities",
     "utcnow",
 ]
 
@@ -121,6 +123,51 @@ class Bucket:
     lease_over: bool  # locked_until <= now
     count: int
     oldest_created_at: datetime | None
+
+
+class Capabilities(NamedTuple):
+    """What a store offers beyond the primitives every store has, declared by the store.
+
+    A store declares them as its ``capabilities`` attribute; :func:`capabilities` reads
+    them, so that callers ask one question instead of testing types.
+    """
+
+    # Holds the claim, the handler's writes and the record in one transaction
+    # (:class:`TransactionalStore`, ``Policy(transactional=True)``).
+    transactions: bool = False
+    # Sends operations that arrive while one is in flight together (this instance).
+    batching: bool = False
+    # ``buckets`` and ``count_expired`` answer: ``asgi-idempotency stats`` refuses a
+    # store without them (exit 2, saying so).
+    stats: bool = True
+    # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
+    # CLI's ``prune``, :class:`~asgi_idempotency.ops.retention.Pruner`). False: the store
+    # deletes them itself when their retention ends (Redis: the key's TTL), and
+    # ``asgi-idempotency prune`` says there is nothing to prune.
+    prune: bool = True
+    # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
+    # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
+    migrations: bool = False
+    # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
+    # store keeps each claim's scope digest and route where the audit can find them.
+    audit: bool = False
+    # Leases, take-overs, renewals, completion and expiry are decided on the store's own
+    # clock (a shared database's or Redis's time), whatever ``now`` a caller passes; the
+    # caller's clock decides on a store of one host (memory, SQLite).
+    own_clock: bool = False
+
+
+def capabilities(store: object) -> Capabilities:
+    """What ``store`` declares; for a store of one's own that declares nothing, the
+    primitives alone, with transactions if it is a :class:`TransactionalStore` that
+    says it can open them."""
+    declared = getattr(store, "capabilities", None)
+    if isinstance(declared, Capabilities):
+        return declared
+    return Capabilities(
+        transactions=isinstance(store, TransactionalStore)
+        and store.transactions_unavailable is None
+    )
 
 
 @runtime_checkable

@@ -41,15 +41,15 @@ import threading
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from concurrent.futures import Future
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple, ParamSpec, Protocol, TypeVar, cast
+from typing import Any, Literal, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
 
 import orjson
 
 from asgi_idempotency.core.canonical import canonical_json
 from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
-from asgi_idempotency.core.execution import Execution, Executor
+from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.lifecycle import ClaimOutcome
-from asgi_idempotency.http.policy import _DEFAULT_TTL, _LEASE_NOT_GIVEN, Policy, _duration
+from asgi_idempotency.core.terms import DEFAULT_TTL, LEASE_NOT_GIVEN, ExecutionTerms, duration
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import MetricsSink, MetricsSnapshot, Outcome
 from asgi_idempotency.observability.observer import Observer, store_label
@@ -125,6 +125,7 @@ class _Call(NamedTuple):
     namespace: str  # logged as the route: the programmer's name, not the caller's data
     wait: timedelta | None
     function: str  # the qualified name, for traces (code.function.name)
+    transactional: bool = False  # the function gets ``session``, in the claim's transaction
 
 
 class _LoopThread:
@@ -207,8 +208,8 @@ class Once:
         self,
         store: Store,
         *,
-        ttl: timedelta = _DEFAULT_TTL,
-        lease: timedelta = _LEASE_NOT_GIVEN,
+        ttl: timedelta = DEFAULT_TTL,
+        lease: timedelta = LEASE_NOT_GIVEN,
         namespace: str | None = None,
         wait: timedelta | None = None,
         retry_after: float = 1.0,
@@ -216,22 +217,48 @@ class Once:
         clock: Callable[[], datetime] = utcnow,
         metrics: MetricsSink | None = None,
     ) -> None:
-        policy = Policy(ttl=ttl, lease=lease)  # the same rules, and the same lease default
+        terms = ExecutionTerms(ttl=ttl, lease=lease)  # a route's rules, and its lease default
         self.store = store
-        self.ttl, self.lease, self._renew_every = policy.ttl, policy.lease, policy.renew_every
+        self.ttl, self.lease, self._renew_every = terms.ttl, terms.lease, terms.renew_every
         self.namespace = None if namespace is None else _namespace(namespace)
         self.wait = _wait(wait)
         self.retry_after = retry_after
         self.codec: Codec = _ORJSON() if codec is None else codec
         self.clock = clock
-        self._policy = policy
+        self._terms = terms
         self._observer = Observer(metrics, store_label(store))
         # The claim, completion and release: the same core as the HTTP responder's.
-        self._core = Executor(
+        self._core = Runner(
             store, clock=clock, fail_open=False, retry_after=retry_after, observer=self._observer
         )
         self._thread: _LoopThread | None = None
         self._thread_lock = threading.Lock()
+
+    @overload
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        exclude: Collection[str] = (),
+        transactional: Literal[False] = False,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+    @overload
+    def __call__(
+        self,
+        *,
+        key: Callable[..., str],
+        namespace: str | None = None,
+        wait: timedelta | None = None,
+        exclude: Collection[str] = (),
+        transactional: Literal[True],
+    ) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
+        # Callers call it without the session the guard passes: a signature a
+        # ParamSpec cannot spell (one keyword fewer), so the guarded function's
+        # arguments go unchecked and its result keeps its type.
+        ...
 
     def __call__(
         self,
@@ -240,20 +267,40 @@ class Once:
         namespace: str | None = None,
         wait: timedelta | None = None,
         exclude: Collection[str] = (),
+        transactional: bool = False,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Guard a function, async or sync; ``key`` takes the call's own arguments.
 
         ``exclude`` names parameters left out of the fingerprint (a session, a logger).
         A sync function runs in its caller's thread, which may have no event loop.
+
+        ``transactional``: the function is async and takes a keyword parameter
+        ``session``; each run gets an SQLAlchemy ``AsyncSession`` in the store
+        transaction that holds the claim, and its writes commit with the record (or,
+        when it raises, roll back with the claim). Callers call it without ``session``,
+        which is not part of the fingerprint. Needs a store with transactions
+        (``SQLStore`` on Postgres or MariaDB).
+
+        Raises:
+            TypeError: ``transactional`` on a sync function, or one without a
+                ``session`` parameter.
+            ValueError: ``transactional`` on a store without transactions.
         """
         wait_ = self.wait if wait is None else _wait(wait)
         given = self.namespace if namespace is None else _namespace(namespace)
         excluded = frozenset(exclude)
+        if transactional:
+            self._transactions_needed()
+            if wait is not None:
+                raise ValueError(_NO_WAIT_IN_TRANSACTIONS)
+            wait_ = None
 
         def guard(fn: Callable[P, R]) -> Callable[P, R]:
             signature = inspect.signature(fn)
             name = _qualname(fn)
             space = given or f"{fn.__module__}.{name}"
+            if transactional:
+                signature = _without_session(fn, signature)
 
             def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
                 return _Call(
@@ -262,6 +309,7 @@ class Once:
                     space,
                     wait_,
                     name,
+                    transactional,
                 )
 
             if inspect.iscoroutinefunction(fn):
@@ -288,6 +336,12 @@ class Once:
     ) -> R:
         """Run ``await fn(*args, **kwargs)`` once for ``key``; its result, or the stored one.
 
+        ``transactional=True`` among the keywords (not passed on to ``fn``) runs ``fn``
+        as ``@once(..., transactional=True)`` does: with ``session=`` an ``AsyncSession``
+        in the transaction that holds the claim and commits with the record. (A type
+        checker reads the keywords as ``fn``'s and does not know this one: the
+        decorator is the typed form.)
+
         Raises:
             KeyReused: ``key`` was used with other arguments (or another function).
             InProgress: another holder runs it (after ``wait``, if set); ``retry_after``.
@@ -295,13 +349,31 @@ class Once:
             CanonicalJSONError, TypeError: the arguments (see :func:`fingerprint`).
             Whatever ``fn`` raises, after the key is released.
         """
-        call = self._prepare(key, fn, args, kwargs)
+        transactional = bool(kwargs.pop("transactional", False))
+        if transactional:
+            self._transactions_needed()
+            name = _qualname(fn)
+            space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
+            signature = _without_session(fn, inspect.signature(fn))
+            digest = fingerprint(name, signature, args, kwargs)
+            call = _Call(record_key(space, _key_of(key)), digest, space, None, name, True)
+        else:
+            call = self._prepare(key, fn, args, kwargs)
         return cast(R, await self._run(call, functools.partial(fn, *args, **kwargs)))
 
     def call_sync(self, key: str, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """:meth:`call` for a synchronous function, from a thread (event loop or not)."""
         call = self._prepare(key, fn, args, kwargs)
         return cast(R, self._run_sync(call, functools.partial(fn, *args, **kwargs)))
+
+    def _transactions_needed(self) -> None:
+        """Refuse transactional mode on a store that cannot honour it (before any run)."""
+        why = self._core.transactions_unavailable()
+        if why is not None:
+            raise ValueError(
+                "transactional=True needs a store with transactions (SQLStore on "
+                f"postgresql+asyncpg:// or mariadb+asyncmy://): {why}"
+            )
 
     def count(self, namespace: str, outcome: Outcome) -> None:
         """Count a call an adapter refused before it reached this guard (a missing or
@@ -334,7 +406,7 @@ class Once:
         digest = fingerprint(name, inspect.signature(fn), args, kwargs)
         return _Call(record_key(space, _key_of(key)), digest, space, self.wait, name)
 
-    async def _run(self, call: _Call, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def _run(self, call: _Call, fn: Callable[..., Awaitable[Any]]) -> Any:
         with tracing.function_span(call.namespace, call.function) as opened:
             span = self._recording(call, opened)
             try:
@@ -348,7 +420,10 @@ class Once:
                 self._outcome(call, span, Outcome.REPLAYED)
                 return self.codec.loads(got)
             try:
-                result = await fn()
+                if got.tx is None:
+                    result = await fn()
+                else:
+                    result = await fn(session=got.tx.state.session)
             except Exception:
                 self._outcome(call, span, Outcome.RELEASED)
                 await self._on_store_loop(self._release(call, got, span))
@@ -416,13 +491,20 @@ class Once:
     async def _claim(self, call: _Call, span: Any = None) -> bytes | Execution:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
         execution = await self._core.claim(
-            self.store, call.key, call.fingerprint, call.namespace, self._policy, span=span,
+            call.key,
+            call.fingerprint,
+            call.namespace,
+            self._terms,
+            span=span,
             wait=call.wait,
-        )  # fmt: skip
+            transactional=call.transactional,
+        )
         if execution.owned:
             return execution
-        record = execution.claim.record
-        outcome = execution.claim.outcome
+        await self._core.close(execution)  # a transaction's, rolled back: nothing of ours ran
+        claim = execution.claim
+        assert claim is not None  # a claim was made (not a transaction alone)
+        record, outcome = claim.record, claim.outcome
         if outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
@@ -456,8 +538,22 @@ class Once:
         # The function ran: executed, whether or not the store keeps its result (as the
         # middleware counts a request whose completion failed). A completion the store
         # fails is tried again in the background, for the lease's life (the core's).
+        stored = StoredResponse(200, (), body)
+        if owned.tx is not None:
+            # The commit is the effect: if it fails, nothing happened, and the caller
+            # hears so (StoreError) rather than a result that was never kept.
+            try:
+                await self._core.complete(owned, stored, span=span)
+            except StoreError as exc:
+                unavailable = Outcome.STORE_UNAVAILABLE
+                self._observer.store_error(call.namespace, call.key, "commit", exc,
+                                           outcome=unavailable.value)  # fmt: skip
+                self._outcome(call, span, unavailable)
+                raise
+            self._outcome(call, span, Outcome.EXECUTED)
+            return self.codec.loads(body)
         self._outcome(call, span, Outcome.EXECUTED)
-        await self._core.complete(owned, StoredResponse(200, (), body), span=span)
+        await self._core.complete(owned, stored, span=span)
         return self.codec.loads(body)
 
     async def _release(self, call: _Call, owned: Execution, span: Any = None) -> None:
@@ -519,6 +615,34 @@ class Once:
             thread.loop.call_soon_threadsafe(fn, *args)
 
 
+_NO_WAIT_IN_TRANSACTIONS = (
+    "wait is not available with transactional=True: a running holder's claim is an open "
+    "transaction that no reader can see"
+)
+
+
+def _without_session(fn: Callable[..., Any], signature: inspect.Signature) -> inspect.Signature:
+    """``fn``'s signature without the ``session`` the guard passes it: what callers bind."""
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"transactional=True needs an async function ({_qualname(fn)} is not): its "
+            "session is an SQLAlchemy AsyncSession"
+        )
+    session = signature.parameters.get("session")
+    if session is None or session.kind not in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        raise TypeError(
+            f"transactional=True passes the function a keyword argument session (an "
+            f"AsyncSession in the claim's transaction): give {_qualname(fn)} a parameter "
+            "`*, session`"
+        )
+    return signature.replace(
+        parameters=[p for name, p in signature.parameters.items() if name != "session"]
+    )
+
+
 def _settled(
     loop: asyncio.AbstractEventLoop, unheard: Callable[[T], None], answer: Future[T]
 ) -> None:
@@ -553,4 +677,4 @@ def _wait(wait: timedelta | None) -> timedelta | None:
     # Not bounded by the lease, unlike Policy(wait=...): no client connection is held
     # open meanwhile, and a redelivery may well wait out a dead holder's lease to take
     # its key over.
-    return None if wait is None else _duration("wait", wait)
+    return None if wait is None else duration("wait", wait)

@@ -10,6 +10,13 @@ from typing import Any, Generic, Literal, TypeVar
 
 from starlette.routing import Host, Match, Mount
 
+from asgi_idempotency.core.terms import (
+    DEFAULT_TTL,
+    LEASE_NOT_GIVEN,
+    DefaultLease,
+    duration,
+    resolve_lease,
+)
 from asgi_idempotency.http.asgi import Scope
 from asgi_idempotency.http.fingerprint import json_pointer_tokens
 from asgi_idempotency.integrations.webhooks import DeliveryKey
@@ -28,36 +35,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _POLICY_ATTR = "__idempotency_policy__"
 
 
-_DEFAULT_TTL = timedelta(hours=24)
-_DEFAULT_LEASE = timedelta(seconds=30)
-
-
-class _LeaseNotGiven:
-    """The ``lease`` default: "not given", resolved to the smaller of 30 s and ``ttl``."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:  # shown in help(Policy) and help(idempotent)
-        return "<the smaller of 30 s and ttl>"
-
-
-# Typed as Any so that it can stand as the default of a ``timedelta`` field: the
-# attribute is read as a timedelta everywhere, and __post_init__ makes sure it is one.
-_LEASE_NOT_GIVEN: Any = _LeaseNotGiven()
-
-
-class _DefaultLease(timedelta):
-    """A lease resolved from the default, remembered as such.
-
-    ``dataclasses.replace(policy, ttl=...)`` passes the resolved lease back in; it is
-    derived again from the new ttl rather than read as an explicit lease that may now
-    exceed it.
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return repr(timedelta(self.days, self.seconds, self.microseconds))
+# The terms' defaults and checks are the core's (Once shares them); kept under these
+# names for the modules that import them from here.
+_DEFAULT_TTL = DEFAULT_TTL
+_LEASE_NOT_GIVEN: Any = LEASE_NOT_GIVEN
+_DefaultLease = DefaultLease
+_duration = duration
 
 
 class _DefaultBodyLimit(int):
@@ -69,28 +52,6 @@ class _DefaultBodyLimit(int):
 
 
 _DEFAULT_BODY_LIMIT: Any = _DefaultBodyLimit(1024 * 1024)
-
-
-def _duration(name: str, value: object) -> timedelta:
-    """``value`` if it is a positive ``timedelta``.
-
-    A bare number is refused rather than read as seconds: ``ttl=30`` could as well
-    mean milliseconds, and a guard that keeps responses for 30 s instead of 30 min
-    fails silently.
-    """
-    if not isinstance(value, timedelta):
-        raise TypeError(
-            f"{name} must be a datetime.timedelta, e.g. timedelta(seconds=30); "
-            f"got {type(value).__name__} {value!r}"
-            + (" (a bare number could mean seconds or milliseconds)" if _is_number(value) else "")
-        )
-    if value <= timedelta(0):
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,17 +137,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         ttl = _duration("ttl", self.ttl)
-        if self.lease is _LEASE_NOT_GIVEN or isinstance(self.lease, _DefaultLease):
-            shorter = min(_DEFAULT_LEASE, ttl)
-            lease: timedelta = _DefaultLease(shorter.days, shorter.seconds, shorter.microseconds)
-        else:
-            lease = _duration("lease", self.lease)
-            if lease > ttl:
-                # The claimed row expires after ttl, so a longer lease would promise
-                # more than the row keeps. Refuse rather than shorten what was asked.
-                raise ValueError(
-                    f"lease ({lease}) exceeds ttl ({ttl}): pass lease <= ttl, or a longer ttl"
-                )
+        lease = resolve_lease(ttl, self.lease)
         if self.wait is not None:
             wait = _duration("wait", self.wait)
             if wait > lease:

@@ -21,12 +21,11 @@ failing, releases the key. A streamed response (a body message with ``more_body`
 goes to the client as it is produced, kept on the side up to a limit and stored when
 it ends.
 
-The claim, completion and release are the execution core's (:mod:`.execution`, shared
-with :class:`~.once.Once`); this module captures and replays ASGI messages around them.
-In the default mode the claim and the completion are separate statements on the
-store and the core renews the claim's lease meanwhile. In
-transactional mode they are statements of one store transaction, which the handler
-writes through too: releasing is rolling back, completing is committing.
+The claim, completion and release, in either mode, are the runner's
+(:mod:`.execution`, shared with :class:`~.once.Once`); this module captures and replays
+ASGI messages around them. In transactional mode the runner's claim opens the store
+transaction the handler writes through (``request.state.idempotency``), wherever the
+claim is made: here, or at the FastAPI dependency.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from starlette.exceptions import HTTPException
-
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import (
     IdempotencyError,
@@ -49,7 +46,7 @@ from asgi_idempotency.core.errors import (
     StoreError,
     StoreUnavailable,
 )
-from asgi_idempotency.core.execution import Execution, Executor
+from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.keys import scope_digest, scoped_key
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
@@ -60,12 +57,7 @@ from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import Outcome
 from asgi_idempotency.observability.observer import Observer, logger
 from asgi_idempotency.observability.regenerated import RegeneratedKeys
-from asgi_idempotency.stores.base import (
-    Store,
-    StoredResponse,
-    StoreTransaction,
-    TransactionalStore,
-)
+from asgi_idempotency.stores.base import Store, StoredResponse
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -93,12 +85,11 @@ class GuardedRequest(NamedTuple):
     host: str  # "" when records are not scoped by host
 
 
-class Runtime(Executor):
-    """What every request of one middleware shares: the execution core (the store, the
-    clock, the settings), the app and the regenerated-key detector."""
+class Runtime:
+    """What every request of one middleware shares: the runner (the store, the clock, the
+    settings), the app and the regenerated-key detector."""
 
-    __slots__ = ("app", "regenerated")
-    observer: Observer  # the core's Observing, with the outcome counts HTTP adds
+    __slots__ = ("app", "namespace", "regenerated", "runner")
 
     def __init__(
         self,
@@ -110,10 +101,11 @@ class Runtime(Executor):
         retry_after: float,
         observer: Observer,
     ) -> None:
-        super().__init__(
+        self.runner = Runner(
             store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
         )
         self.app = app
+        self.namespace = ""  # the service's namespace in every key ("": none)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
 
@@ -144,24 +136,29 @@ class _State(enum.Enum):
 class Responder:
     """The state of one guarded request."""
 
-    __slots__ = ("chunks", "execution", "kept", "receive", "req", "rt", "scope", "send",
-                 "span", "start", "state", "streaming", "token", "tx", "unread")  # fmt: skip
+    __slots__ = ("chunks", "execution", "kept", "receive", "req", "rt", "runner", "scope",
+                 "send", "span", "start", "state", "streaming", "unread")  # fmt: skip
 
     def __init__(
         self, rt: Runtime, req: GuardedRequest, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        self.rt, self.req = rt, req
+        self.rt, self.runner, self.req = rt, rt.runner, req
         self.scope, self.receive, self.send = scope, receive, send
         self.state = _State.WAITING
-        self.token = ""
-        self.tx: StoreTransaction | None = None
-        self.execution: Execution | None = None  # the core's handle of our claim
+        # The runner's handle of this request's claim (or of its transaction alone).
+        self.execution: Execution | None = None
         self.start: Message | None = None
         self.chunks: list[bytes] = []
         self.kept = 0  # bytes of a streamed response kept so far
         self.streaming = False
         self.unread = True  # the buffered request body is still to be given to the app
         self.span: Any = None  # the request's recording trace span, if any
+
+    @property
+    def token(self) -> str:
+        """The fencing token of a claim that is this request's, else ``""``."""
+        execution = self.execution
+        return "" if execution is None else execution.token
 
     async def run(self) -> None:
         """Claim (unless it waits for FastAPI), run the app, answer; the whole request."""
@@ -172,65 +169,44 @@ class Responder:
             scope["extensions"] = {k: v for k, v in extensions.items() if k != _PATHSEND}
         scope[GUARD_SCOPE_KEY] = self
         try:
-            await self._run()
+            if self.req.principal is None:
+                await self._run_app()  # the claim comes from the FastAPI dependency
+            elif await self._claim():
+                await self._run_app()
         finally:
             # The scope holds this responder and it the scope: a cycle only the
             # collector would free, paid for by every request's p99.
             scope.pop(GUARD_SCOPE_KEY, None)
-            if self.execution is not None:
-                # However the claim ended (a no-op once it was completed or released).
-                self.rt.settled(self.execution)
-
-    async def _run(self) -> None:
-        if self.req.principal is None:
-            await self._run_app()  # the claim comes from the FastAPI dependency
-            return
-        if not self.req.policy.transactional:
-            if await self._claim(self.rt.store):
-                await self._run_app()
-            return
-        await self._in_transaction(claim=True)
+            execution = self.execution
+            if execution is not None:
+                # However the claim ended (a no-op once it was completed or released):
+                # waiters hear of it, and a transaction still open rolls back.
+                self.runner.settled(execution)
+                if execution.tx is not None:
+                    await self.runner.close(execution)
 
     async def run_unclaimed(self) -> None:
         """Report-only mode, a transactional route, a request the guard would have refused
         before claiming (no key, no caller, ...): the app runs as it would unguarded, so its
         handler gets the transaction it writes through, whose writes alone commit."""
         self.unread = False  # the middleware hands over ``receive`` as the app is to read it
-        await self._in_transaction(claim=False)
-
-    async def _in_transaction(self, *, claim: bool) -> None:
-        store = self.rt.store
-        assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-        tx: StoreTransaction | None = None
         try:
-            async with store.transaction() as tx:
-                self.tx = tx
-                if not claim:
-                    self._hand_transaction()
-                    await self._run_app()
-                elif await self._claim(tx) and self.state is not _State.UNGUARDED:
-                    await self._run_app()
-        except StoreError as exc:
-            if tx is not None:
-                raise  # not from opening the transaction: answered where it arose
-            if claim:
-                await self._unavailable(exc, "claim")
-            else:
-                self.rt.observer.store_error(self.req.route, "", "transaction", exc)
-                self.state = _State.UNGUARDED
-            if self.state is _State.UNGUARDED:  # fail_open, report mode
-                await self._run_app()  # no transaction to hand the handler
-            return
-        if self.state is not _State.UNGUARDED:
-            return
-        # The claim failed and the request runs unguarded (fail_open, report mode), not
-        # in the transaction the failure may have broken. In report mode the handler
-        # gets a fresh one if the store gives it one, as it would have without a fault.
-        self.tx = None
-        if self.req.policy.mode == "report":
-            await self._in_transaction(claim=False)
-        else:
+            await self._unclaimed_transaction()
             await self._run_app()
+        finally:
+            if self.execution is not None:
+                await self.runner.close(self.execution)
+
+    async def _unclaimed_transaction(self) -> None:
+        """Open the transaction a report-only request's handler writes through alone;
+        a store that cannot open one leaves the handler without (logged)."""
+        try:
+            self.execution = await self.runner.unclaimed(self.req.route, self.req.policy)
+        except StoreError as exc:
+            self.runner.observer.store_error(self.req.route, "", "transaction", exc)
+            self.state = _State.UNGUARDED
+            return
+        self._hand_transaction()
 
     @property
     def waiting(self) -> bool:
@@ -240,7 +216,7 @@ class Responder:
     async def refuse(self, exc: IdempotencyError) -> bool:
         """Answer with ``exc`` instead of claiming (the caller could not be identified);
         whether the endpoint may run all the same (report-only mode: the app answers)."""
-        observer, route = self.rt.observer, self.req.route
+        observer, route = self.runner.observer, self.req.route
         observer.outcome(route, Outcome.UNIDENTIFIED)
         observer.refused(route, exc)
         if self.req.policy.mode == "report":
@@ -255,31 +231,33 @@ class Responder:
         """Claim now that FastAPI has named the caller: whether the endpoint may run.
 
         ``False`` once the guard has answered (replay, 409, 422, 503): the caller stops
-        the endpoint, and whatever the app sends next is dropped.
+        the endpoint, and whatever the app sends next is dropped. On a transactional
+        route the claim opens the transaction the handler's session writes through.
         """
         if self.state is not _State.WAITING:
             return self.state is not _State.ANSWERED
         req = self.req
         self.req = req._replace(
-            principal=principal, key=scoped_key(principal, req.client_key, req.host)
+            principal=principal,
+            key=scoped_key(principal, req.client_key, req.host, self.rt.namespace),
         )
-        return await self._claim(self.rt.store)
+        return await self._claim()
 
     async def endpoint_skipped(self) -> None:
         """FastAPI refused the request after the claim (validation): release, store nothing."""
         if self.state is not _State.OWNED:
             return
         self.state = _State.WAITING  # its answer (the 422) passes through
-        self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
+        self.runner.observer.outcome(self.req.route, Outcome.REJECTED)
         assert self.execution is not None  # owned: claimed by claim_deferred
-        await self.rt.release(self.execution)
+        await self.runner.release(self.execution)
 
     def _log(self, level: int, event: str, **fields: Any) -> None:
-        self.rt.observer.log(level, event, self.req.route, self.req.key, **fields)
+        self.runner.observer.log(level, event, self.req.route, self.req.key, **fields)
 
-    async def _claim(self, claimant: lifecycle.Claimant) -> bool:
+    async def _claim(self) -> bool:
         """Claim the key; ``True`` if the app is to run, else the request is answered."""
-        rt, req = self.rt, self.req
+        runner, req = self.runner, self.req
         policy = req.policy
         otel = tracing.trace  # inlined tracing.live(): a global read when no tracer is set
         span = self.span = (
@@ -287,23 +265,30 @@ class Responder:
         )
         if span is not None:
             tracing.annotate(span, key_digest=req.key[:16], mode=policy.mode)
+        report = policy.mode == "report"
         try:
-            execution = await rt.claim(
-                claimant, req.key, req.fingerprint, req.route, policy, span=span,
-                transaction=self.tx is not None,
+            execution = self.execution = await runner.claim(
+                req.key, req.fingerprint, req.route, policy, span=span,
+                transactional=policy.transactional,
                 # Report-only mode answers what it finds at once, as without the guard.
-                wait=None if policy.mode == "report" else policy.wait,
+                wait=None if report else policy.wait,
                 # For the audit, on every guarded request: digests and the template only.
-                scope=scope_digest(req.principal or "", req.host),
+                scope=scope_digest(req.principal or "", req.host, self.rt.namespace),
             )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")
-            return self.state is _State.UNGUARDED
-        claim = execution.claim
-        if not claim.owned:
-            if policy.mode == "report":
-                self._report_existing(claim)
-                if self.tx is None:
+            if self.state is not _State.UNGUARDED:
+                return False
+            if report and policy.transactional:
+                # The handler gets a fresh transaction if the store gives it one, as it
+                # would have without the fault; its writes commit alone.
+                await self._unclaimed_transaction()
+            return True  # fail_open, report mode: the app runs, its answer goes out
+        if not execution.owned:
+            if report:
+                assert execution.claim is not None
+                self._report_existing(execution.claim)
+                if execution.tx is None:
                     self.state = _State.UNGUARDED  # the app runs; its own answer goes out
                 else:
                     # The handler writes through the transaction as when the claim is
@@ -313,18 +298,17 @@ class Responder:
             self.state = _State.ANSWERED
             await self._answer_existing(execution)
             return False
-        if rt.regenerated is not None:
+        if self.rt.regenerated is not None:
             try:
-                await self._check_regenerated(claimant, execution.now)
+                await self._check_regenerated(execution)
             except asyncio.CancelledError:
                 # The claim is this request's and nothing ran for it: release it now
                 # (token-fenced) rather than leave the key to answer 409 for a lease. A
                 # transaction's claim rolls back with it.
-                if self.tx is None:
-                    rt.release_later(execution)
+                runner.release_later(execution)
                 raise
-        self.token, self.state, self.execution = execution.token, _State.OWNED, execution
-        if self.tx is not None:
+        self.state = _State.OWNED
+        if execution.tx is not None:
             self._hand_transaction()
         return True
 
@@ -332,34 +316,36 @@ class Responder:
         """The app runs in the transaction (``request.state.idempotency``); its response
         is held until it ends, to commit or roll back first. ``token`` stays empty when
         the transaction holds no claim of this request's (report-only mode)."""
-        assert self.tx is not None
-        self.scope.setdefault("state", {})["idempotency"] = self.tx.state
+        assert self.execution is not None
+        assert self.execution.tx is not None
+        self.scope.setdefault("state", {})["idempotency"] = self.execution.tx.state
         self.state = _State.OWNED
 
-    async def _check_regenerated(self, claimant: lifecycle.Claimant, now: datetime) -> None:
+    async def _check_regenerated(self, execution: Execution) -> None:
         """The regenerated-key detector's marker (:mod:`.regenerated`): one more insert,
         before the handler runs. Its failure is logged and the request goes on: a
         detector must never turn a request the guard would run into an error."""
         rt, req = self.rt, self.req
         assert rt.regenerated is not None
         assert req.principal is not None  # claimed: the caller is known
-        checking = rt.regenerated.check(
-            claimant, host=req.host, principal=req.principal, fingerprint=req.fingerprint,
-            key=req.key, now=now,
+        marker = rt.regenerated.marker(
+            host=req.host, principal=req.principal, fingerprint=req.fingerprint,
+            key=req.key, now=execution.now,
         )  # fmt: skip
+        observer = self.runner.observer
         try:
-            with rt.observer.store_call("mark", self.span):
-                other = await checking
+            with observer.store_call("mark", self.span):
+                other = await self.runner.sighting(execution, marker)
         except StoreError as exc:
             self._log(logging.WARNING, "idempotency.regenerated_check_failed",
                       error=type(exc).__name__)  # fmt: skip
             return
-        if other is not None:
-            rt.observer.regenerated_key(req.route, req.key, other)
+        if other is not None and other != req.key:
+            observer.regenerated_key(req.route, req.key, other)
 
     def _stop_renewal(self) -> None:
         if self.execution is not None:
-            self.rt.stop(self.execution)
+            self.runner.stop(self.execution)
 
     async def _run_app(self) -> None:
         try:
@@ -367,14 +353,14 @@ class Responder:
         except asyncio.CancelledError:
             # Cancelled part-way: the effect may or may not have happened. By default
             # the claim stays in progress until its lease ends rather than inviting a
-            # rerun; in a transaction, closing it rolls back the claim and the writes.
-            if self.state is _State.OWNED and self.execution is not None and self.tx is None:
-                self.rt.abandon(self.execution)
+            # rerun; in a transaction, the claim and the writes roll back.
+            if self.state is _State.OWNED and self.execution is not None:
+                self.runner.abandon(self.execution)
             raise
         except GuardAnswered:
             if self.state is not _State.ANSWERED:
                 raise
-            return  # the guard answered; the app let the marker through its handlers
+            return  # the guard answered; the endpoint was stopped
         except BaseException:
             if self.state is _State.OWNED:
                 self._stop_renewal()
@@ -391,7 +377,7 @@ class Responder:
             end = {"type": "http.response.body", "body": b"", "more_body": False}
             await self._finish(end if self.streaming else None)
         elif state is _State.WAITING and self.req.principal is None:
-            self.rt.observer.outcome(self.req.route, Outcome.REJECTED)
+            self.runner.observer.outcome(self.req.route, Outcome.REJECTED)
 
     async def app_receive(self) -> Message:
         # The buffered body once, then the server's own messages (http.disconnect).
@@ -447,13 +433,14 @@ class Responder:
         assert start is not None
         status: int = start["status"]
         content = b"".join(self.chunks)
+        execution = self.execution
+        assert execution is not None  # owned, or a transaction of its own
         if not lifecycle.completes(status):
             await self._release()
-        elif not self.token:
+        elif not execution.token:
             # Report-only mode in a transaction holding no claim of ours: the handler's
             # writes commit alone, as they would have without the guard.
-            assert self.tx is not None
-            if not await self._commit(self.tx, None, None):
+            if not await self._commit(None):
                 self.state = _State.DONE
                 return
         else:
@@ -462,12 +449,15 @@ class Responder:
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
                 stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
-            if self.tx is None:
-                await self._complete(stored)
-            elif not await self._commit(self.tx, stored, self.rt.clock() + self.req.policy.ttl):
+            if execution.tx is None:
+                # The effect happened: a store that fails to record it gets the
+                # completion again in the background, for the lease's life (README:
+                # guarantees); the client gets the true response now either way.
+                await self.runner.complete(execution, stored, span=self.span)
+            elif not await self._commit(stored):
                 self.state = _State.DONE
                 return
-            self.rt.observer.outcome(self.req.route, Outcome.EXECUTED)
+            self.runner.observer.outcome(self.req.route, Outcome.EXECUTED)
         self.state = _State.DONE
         send = self.send
         if last is not None:
@@ -476,64 +466,58 @@ class Responder:
         await send(start)
         await send({"type": "http.response.body", "body": content, "more_body": False})
 
-    async def _complete(self, stored: StoredResponse) -> None:
-        # The effect happened: a store that fails to record it gets the completion
-        # again in the background, for the lease's life (README: guarantees); the
-        # client gets the true response now either way.
-        assert self.execution is not None
-        await self.rt.complete(self.execution, stored, span=self.span)
-
-    async def _commit(
-        self, tx: StoreTransaction, stored: StoredResponse | None, now: datetime | None
-    ) -> bool:
-        """Commit the handler's writes with the record (``stored``), or alone (``None``)."""
-        key = self.req.key
+    async def _commit(self, stored: StoredResponse | None) -> bool:
+        """Commit the handler's writes with the record (``stored``), or alone (``None``);
+        whether they committed (else the client was answered 503)."""
+        execution = self.execution
+        assert execution is not None
+        runner = self.runner
         try:
             if stored is None:
-                await self.rt.shielded(tx.commit_writes())
+                await runner.commit_writes(execution)
             else:
-                assert now is not None
-                ttl = self.req.policy.ttl
-                await self.rt.shielded(tx.commit(key, self.token, stored, now=now, ttl=ttl))
+                await runner.complete(execution, stored, span=self.span)
         except StoreError as exc:
             # Nothing is recorded and the writes rolled back, or the commit's answer was
             # lost; either way the same key retried replays or runs exactly once.
             unavailable = Outcome.STORE_UNAVAILABLE
-            observer = self.rt.observer
-            observer.store_error(self.req.route, key, "commit", exc, outcome=unavailable.value)
+            observer = runner.observer
+            observer.store_error(self.req.route, self.req.key, "commit", exc,
+                                 outcome=unavailable.value)  # fmt: skip
             observer.outcome(self.req.route, unavailable)
             unanswered = StoreUnavailable(
                 "The request's changes could not be committed; retry with the same "
                 "Idempotency-Key.",
-                retry_after=self.rt.retry_after,
+                retry_after=runner.retry_after,
             )
             await send_problem(self.send, unanswered)
             return False
         return True
 
     async def _release(self) -> None:
-        if self.token:  # else report-only mode, no claim of ours: its outcome is counted
-            self.rt.observer.outcome(self.req.route, Outcome.RELEASED)
-        if self.tx is not None:
-            return  # the transaction closes uncommitted: the claim rolls back with the writes
-        assert self.execution is not None  # owned, not in a transaction
-        await self.rt.release(self.execution, span=self.span)
+        execution = self.execution
+        assert execution is not None  # owned, or a transaction of its own
+        if execution.token:  # else report-only mode, no claim of ours: its outcome is counted
+            self.runner.observer.outcome(self.req.route, Outcome.RELEASED)
+        # In a transaction: rolled back, the claim with the writes.
+        await self.runner.release(execution, span=self.span)
 
     async def _unavailable(self, exc: StoreError, phase: str) -> None:
-        rt = self.rt
+        runner = self.runner
         unavailable = Outcome.STORE_UNAVAILABLE
-        rt.observer.store_error(self.req.route, self.req.key, phase, exc, outcome=unavailable.value)
-        rt.observer.outcome(self.req.route, unavailable)
+        runner.observer.store_error(self.req.route, self.req.key, phase, exc,
+                                    outcome=unavailable.value)  # fmt: skip
+        runner.observer.outcome(self.req.route, unavailable)
         if self.req.policy.mode == "report":
-            rt.observer.report(self.req.route, self.req.key, StoreUnavailable.status)
-        if rt.fail_open or self.req.policy.mode == "report":
+            runner.observer.report(self.req.route, self.req.key, StoreUnavailable.status)
+        if runner.fail_open or self.req.policy.mode == "report":
             self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return
         self.state = _State.ANSWERED
         problem = StoreUnavailable(
             "The idempotency store is unavailable and the request was not processed; "
             "retry with the same Idempotency-Key.",
-            retry_after=rt.retry_after,
+            retry_after=runner.retry_after,
         )
         await send_problem(self.send, problem)
 
@@ -548,13 +532,14 @@ class Responder:
             outcome, status = Outcome.MISMATCH, KeyMismatch.status
         else:
             outcome, status = Outcome.IN_PROGRESS, RequestInProgress.status
-        self.rt.observer.outcome(self.req.route, outcome)
-        self.rt.observer.report(self.req.route, self.req.key, status, outcome=outcome.value)
+        self.runner.observer.outcome(self.req.route, outcome)
+        self.runner.observer.report(self.req.route, self.req.key, status, outcome=outcome.value)
 
     async def _answer_existing(self, execution: Execution) -> None:
         claim = execution.claim
+        assert claim is not None
         record, route = claim.record, self.req.route
-        observer = self.rt.observer
+        observer = self.runner.observer
         if claim.outcome is ClaimOutcome.COMPLETED:
             assert record is not None
             assert record.response is not None
@@ -573,17 +558,16 @@ class Responder:
             observer.outcome(route, Outcome.MISMATCH)
             await send_problem(self.send, KeyMismatch(_MISMATCH_DETAIL))
         else:
-            wait = self.rt.in_progress_wait(execution)
+            wait = self.runner.in_progress_wait(execution)
             observer.outcome(route, Outcome.IN_PROGRESS)
             await send_problem(self.send, RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait))
 
 
-class GuardAnswered(HTTPException):
+class GuardAnswered(Exception):
     """Stops the endpoint once the guard has answered itself (replay, 409, 422, 503).
 
-    An ``HTTPException``, so the app's own exception handling turns it into a response
-    quietly (no 500, no traceback in the server log); that response is dropped.
+    Raised where FastAPI resolves the guard's claim dependency and caught by the guard
+    that raised it, around the app. Not an ``HTTPException``: no exception handler of
+    the app's matches it, so nothing inside the guard reacts (an audit row, a metric)
+    to an answer the client never receives.
     """
-
-    def __init__(self) -> None:
-        super().__init__(status_code=409, detail="answered by the idempotency guard")

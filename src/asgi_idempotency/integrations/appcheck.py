@@ -276,12 +276,6 @@ def inspect_app(
                     f"exempt it with policies={{{where!r}: Policy(enabled=False)}}."
                 )
                 continue
-            if policy.transactional:
-                problems.append(
-                    f"{where}: transactional policies need a principal known from the "
-                    f"request (a function of the scope), not {principal!r}."
-                )
-                continue
             fastapi_claim.instrument(op, claim)
             report.claim_endpoints.add(id(op.endpoint))
     return report

@@ -222,9 +222,16 @@ def _has(dependant: Dependant, claim: Callable[..., Any]) -> bool:
 
 
 def instrument(operation: GuardedOperation, claim: Callable[..., Any]) -> None:
-    """Add ``claim`` to the dependencies FastAPI resolves for ``operation``, once."""
+    """Add ``claim`` to the dependencies FastAPI resolves for ``operation``, once.
+
+    First among the endpoint's own dependencies (FastAPI resolves them in order), so a
+    transactional route's claim has opened the transaction before a dependency of the
+    handler asks for its session (:func:`.transactional.get_session`); the auth
+    dependency it names the caller by is resolved first, as its own dependency.
+    """
     if not _has(operation.dependant, claim):
-        operation.dependant.dependencies.append(get_dependant(path=operation.template, call=claim))
+        dependency = get_dependant(path=operation.template, call=claim)
+        operation.dependant.dependencies.insert(0, dependency)
     route = operation.route
     if not any(getattr(d, "dependency", None) is claim for d in route.dependencies):
-        route.dependencies.append(Depends(claim))
+        route.dependencies.insert(0, Depends(claim))

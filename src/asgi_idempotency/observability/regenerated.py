@@ -14,13 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
 
-from asgi_idempotency.core.lifecycle import RecordState, state_of
-from asgi_idempotency.stores.base import BUSY, NewClaim
-
-if TYPE_CHECKING:
-    from asgi_idempotency.core.lifecycle import Claimant
+from asgi_idempotency.core.lifecycle import Claimant, sighting
+from asgi_idempotency.stores.base import NewClaim
 
 __all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
 
@@ -53,6 +49,16 @@ class RegeneratedKeys:
             raise ValueError(f"the regenerated-key window must be a positive timedelta: {window!r}")
         self.window = window
 
+    def marker(self, *, host: str, principal: str, fingerprint: str, key: str,
+               now: datetime) -> NewClaim:  # fmt: skip
+        """The sighting this request leaves: a marker row under the caller's and the
+        request's digest, holding the request's scoped key (``key``, a digest) for the
+        window. The runner writes it (:meth:`.execution.Runner.sighting`)."""
+        window = self.window
+        token = MARKER_TOKEN + os.urandom(8).hex()
+        return NewClaim(marker_key(host, principal, fingerprint), key, token, now,
+                        window, window)  # fmt: skip
+
     async def check(
         self,
         store: Claimant,
@@ -63,26 +69,13 @@ class RegeneratedKeys:
         key: str,
         now: datetime,
     ) -> str | None:
-        """The other scoped key this caller sent this request under within the window, if any.
-
-        One ``insert`` on ``store``; a ``replace`` too when the marker found is past its
-        window. ``key`` is the request's scoped key (a digest).
+        """The other scoped key this caller sent this request under within the window,
+        if any: :meth:`marker` written through :func:`.lifecycle.sighting` on ``store``.
 
         Raises:
             StoreError: the store failed (the caller logs it and goes on).
         """
-        window = self.window
-        token = MARKER_TOKEN + os.urandom(8).hex()
-        marker = NewClaim(marker_key(host, principal, fingerprint), key, token, now,
-                          window, window)  # fmt: skip
-        found = await store.insert(marker)
-        if found is None or found is BUSY:
-            # The first sighting; or, in a transaction, another one holds the marker's
-            # lock right now (a concurrent twin: missed, the count is a lower bound).
-            return None
-        if state_of(found, now) is RecordState.EXPIRED:
-            # A sighting from before the window: this one starts a new window. Losing the
-            # swap to a concurrent request means that one restarted it: nothing to add.
-            await store.replace(found, marker)
-            return None
-        return found.request_hash if found.request_hash != key else None
+        marker = self.marker(host=host, principal=principal, fingerprint=fingerprint, key=key,
+                             now=now)  # fmt: skip
+        other = await sighting(store, marker, now)
+        return other if other != key else None

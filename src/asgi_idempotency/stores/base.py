@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.store import BUSY as BUSY
 from asgi_idempotency.core.store import STATUS_OF as STATUS_OF
 from asgi_idempotency.core.store import (
     Bucket,
+    Capabilities,
     NewClaim,
     Record,
     RecordStatus,
@@ -29,6 +30,7 @@ from asgi_idempotency.core.store import (
     StoredResponse,
     StoreTransaction,
     TransactionalStore,
+    capabilities,
     utcnow,
 )
 from asgi_idempotency.core.store import Busy as Busy
@@ -37,6 +39,7 @@ from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.loops import LoopTenure
 
 # Re-exported too, not public: BUSY, Busy and STATUS_OF, where the stores find them.
+# StoreBase is the package's stores' base, not a public name.
 __all__ = [
     "AuditableStore",
     "Bucket",
@@ -46,7 +49,6 @@ __all__ = [
     "Record",
     "RecordStatus",
     "Store",
-    "StoreBase",
     "StoreError",
     "StoreTransaction",
     "StoredResponse",
@@ -54,51 +56,6 @@ __all__ = [
     "capabilities",
     "utcnow",
 ]
-
-
-class Capabilities(NamedTuple):
-    """What a store offers beyond the primitives every store has, declared by the store.
-
-    A store declares them as its ``capabilities`` attribute; :func:`capabilities` reads
-    them, so that callers ask one question instead of testing types.
-    """
-
-    # Holds the claim, the handler's writes and the record in one transaction
-    # (:class:`TransactionalStore`, ``Policy(transactional=True)``).
-    transactions: bool = False
-    # Sends operations that arrive while one is in flight together (this instance).
-    batching: bool = False
-    # ``buckets`` and ``count_expired`` answer: ``asgi-idempotency stats`` refuses a
-    # store without them (exit 2, saying so).
-    stats: bool = True
-    # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
-    # CLI's ``prune``, :class:`~asgi_idempotency.ops.retention.Pruner`). False: the store
-    # deletes them itself when their retention ends (Redis: the key's TTL), and
-    # ``asgi-idempotency prune`` says there is nothing to prune.
-    prune: bool = True
-    # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
-    # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
-    migrations: bool = False
-    # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
-    # store keeps each claim's scope digest and route where the audit can find them.
-    audit: bool = False
-    # Leases, take-overs, renewals, completion and expiry are decided on the store's own
-    # clock (a shared database's or Redis's time), whatever ``now`` a caller passes; the
-    # caller's clock decides on a store of one host (memory, SQLite).
-    own_clock: bool = False
-
-
-def capabilities(store: object) -> Capabilities:
-    """What ``store`` declares; for a store of one's own that declares nothing, the
-    primitives alone, with transactions if it is a :class:`TransactionalStore` that
-    says it can open them."""
-    declared = getattr(store, "capabilities", None)
-    if isinstance(declared, Capabilities):
-        return declared
-    return Capabilities(
-        transactions=isinstance(store, TransactionalStore)
-        and store.transactions_unavailable is None
-    )
 
 
 @runtime_checkable
