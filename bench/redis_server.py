@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.redis_servers import start_cluster, start_server
+from tests.helpers.redis_servers import start_cluster, start_server
 
 __all__ = ["redis_cluster", "redis_server"]
 

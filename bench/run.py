@@ -209,7 +209,7 @@ async def count_round_trips(pg_url: str, connections: int) -> dict[str, dict[str
     import httpx
 
     from bench import app as bench_app
-    from tests.pgwire import WireCounter
+    from tests.helpers.pgwire import WireCounter
 
     logging.getLogger("asgi_idempotency").setLevel(logging.CRITICAL)  # 409/422 are expected
 

@@ -2,7 +2,8 @@
 
 Postgres comes from ``IDEMPOTENCY_TEST_DATABASE_URL`` when set, else a server on
 127.0.0.1:5432 (user postgres), else a throwaway server started from local
-binaries by pytest-postgresql. Each run creates and drops a database of its own.
+binaries by pytest-postgresql. Each run creates and drops a database of its own: each
+pytest-xdist worker does (session fixtures are per worker), named with the worker's id.
 If no Postgres can be had, Postgres tests fail (never skip) and say how to get one.
 MariaDB likewise: ``IDEMPOTENCY_TEST_MARIADB_URL``, else root on 127.0.0.1:3306.
 """
@@ -19,21 +20,22 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, settings
 from pytest_postgresql import factories
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from starlette.applications import Starlette
 
 from asgi_idempotency import MemoryStore, SQLStore
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.testing import StoreClock as StoreClock  # where tests import it from
+from tests.apps import Tiny as Tiny  # where tests imported it from
+from tests.apps import TinyFactory as TinyFactory
+from tests.apps import tiny_app
+from tests.timing import UNIT as UNIT  # importing it sets StoreClock.shared_unit for the suite
 
 if TYPE_CHECKING:  # the redis extra is optional: imported where a Redis test runs
     from asgi_idempotency.stores.redis import RedisStore
@@ -54,6 +56,20 @@ settings.register_profile(
 )
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# The pytest-xdist worker this process is ("gw0", "gw1", ...; "main" without xdist). Every
+# resource the run creates on a shared server (databases, queues, streams) carries it, so
+# workers never share one and a leftover names the worker that left it.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def worker_name(prefix: str, sep: str = "_") -> str:
+    """A name of this worker's own on a shared server: ``{prefix}_{worker}_{random}``.
+
+    Databases take ``_``; RabbitMQ queues and NATS streams take ``sep="-"``.
+    """
+    return sep.join((prefix, WORKER, uuid.uuid4().hex[:12]))
+
 
 NO_POSTGRES = (
     "PostgreSQL is required for these tests and none could be reached or started. "
@@ -93,6 +109,44 @@ def _pg_ctl() -> str | None:
 pg_throwaway_proc = factories.postgresql_proc(executable=_pg_ctl())
 
 
+# Tests that must not share the machine with each other: real uvicorn workers under
+# load, app servers under libfaketime's skewed clocks, bounds on how long an answer takes.
+# They form one group that one worker runs one after another (the other workers run the
+# rest meanwhile); the group shares that worker's demo servers (session fixtures). Node id
+# prefixes, as the scheduler sees only node ids.
+SERIAL_GROUP = "real-processes"
+SERIAL = (
+    "tests/reliability/",
+    "tests/stores/test_mariadb.py::test_a_statement_blocked_on_a_row_lock_is_a_store_error",
+    "tests/stores/test_sqlite_timeout.py::test_a_locked_database_answers_503_within_command",
+    "tests/stores/test_redis.py::test_a_hung_server_is_a_store_error_within_the_command_timeout",
+    "tests/stores/test_sql_pool.py::test_a_wait_for_a_busy_pool_ends_at_the_timeout",
+    "tests/ops/test_cli_newcomer.py::test_prune_pauses_between_batches_never_after_the_last",
+    "tests/integrations/test_transactional_race.py::test_mariadb_a_rival_holding_the_row_answers",
+)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (the default, pyproject.toml), with :data:`SERIAL` as one group.
+
+    pytest-xdist's own loadgroup reads ``xdist_group`` marks by renaming node ids, which
+    pytest 9 no longer lets it do (every test then runs wherever it lands): the scheduler
+    here groups by node id instead, and still honours ``@group`` ids where xdist sets them.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    # pytest-xdist ships no type information (no py.typed): its scheduler is Any here.
+    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
+
+    class Scheduling(LoadGroupScheduling):  # type: ignore[misc]  # subclassing an Any
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith(SERIAL):
+                return SERIAL_GROUP
+            return str(super()._split_scope(nodeid))
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With IDEMPOTENCY_REQUIRE_POSTGRES (or _MARIADB) set, a run without their tests fails."""
     required = os.environ.get("IDEMPOTENCY_REQUIRE_POSTGRES")
@@ -129,7 +183,7 @@ class PgServer:
     @contextmanager
     def database(self, prefix: str) -> Iterator[str]:
         """An empty database of its own on this server, dropped afterwards; yields its URL."""
-        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        dbname = worker_name(prefix)
         with DatabaseJanitor(
             user=self.user, host=self.host, port=self.port, dbname=dbname, password=self.password
         ):
@@ -210,7 +264,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis server for the run: ``IDEMPOTENCY_TEST_REDIS_URL``, else one of our own."""
-    from tests.redis_servers import NO_REDIS, start_server
+    from tests.helpers.redis_servers import NO_REDIS, start_server
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_URL")
     if env:
@@ -229,7 +283,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Redis Cluster: ``IDEMPOTENCY_TEST_REDIS_CLUSTER``, else 3 + 3 nodes of our own."""
-    from tests.redis_servers import NO_REDIS, start_cluster
+    from tests.helpers.redis_servers import NO_REDIS, start_cluster
 
     env = os.environ.get("IDEMPOTENCY_TEST_REDIS_CLUSTER")
     if env:
@@ -291,7 +345,7 @@ class MariaDBServer:
     @contextmanager
     def database(self, prefix: str) -> Iterator[str]:
         """An empty database of its own on this server, dropped afterwards; yields its URL."""
-        dbname = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        dbname = worker_name(prefix)
         self._run(f"CREATE DATABASE `{dbname}`")
         try:
             yield self.url(dbname)
@@ -350,7 +404,7 @@ def nats_url() -> str:
 
 STORE_KINDS = [
     "memory",
-    # The lifecycle suite's fake (tests/scripted_store.py), held to the same contract.
+    # The lifecycle suite's fake (tests/helpers/scripted_store.py), held to the same contract.
     "fake",
     "sqlite",
     pytest.param("postgres", marks=pytest.mark.postgres),
@@ -369,7 +423,7 @@ async def open_store(request: pytest.FixtureRequest, kind: str) -> AsyncIterator
         yield MemoryStore()
         return
     if kind == "fake":
-        from tests.scripted_store import ScriptedStore
+        from tests.helpers.scripted_store import ScriptedStore
 
         yield ScriptedStore()
         return
@@ -409,7 +463,40 @@ async def rstore(request: pytest.FixtureRequest) -> AsyncIterator[RedisStore]:
 
 @pytest.fixture(params=STORE_KINDS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    """Every store kind, each empty; the contract and middleware suites run on all of them."""
+    """Every store kind, each empty: the contract suite and each store's own tests.
+
+    The folders of the suites above the store (tests/http, tests/functions,
+    tests/observability) override it with :data:`APP_KINDS`.
+    """
+    async with open_store(request, request.param) as opened:
+        yield opened
+
+
+# The kinds the suites above the store run on: the store contract already holds every
+# kind to the same rules (tests/stores/test_contract_every_store.py), so the HTTP,
+# function-guard and integration suites need one store of each family: in process,
+# SQL on the server's clock (Postgres), and Redis.
+APP_KINDS = [
+    "memory",
+    pytest.param("postgres", marks=pytest.mark.postgres),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+
+
+async def app_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """The ``store`` fixture of the folders above the store: one of :data:`APP_KINDS`.
+
+    ``store = pytest.fixture(params=APP_KINDS, name="store")(app_store)`` in a folder's
+    conftest.
+    """
+    async with open_store(request, request.param) as opened:
+        yield opened
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def each_store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """Every store kind, for a test above the store that is about each store's own
+    behaviour (cyclic garbage left by a store's code, say) where ``store`` is narrowed."""
     async with open_store(request, request.param) as opened:
         yield opened
 
@@ -481,91 +568,7 @@ def refused_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-@dataclass
-class Tiny:
-    """A tiny guarded Starlette app that counts how often its handlers ran."""
-
-    app: Starlette
-    calls: dict[str, int]
-    gate: asyncio.Event
-    entered: asyncio.Event  # set once a request that waits on ``gate`` is in its handler
-
-    def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://test", **kwargs
-        )
-
-
-class TinyFactory(Protocol):
-    """What the ``tiny`` fixture returns; the keywords go to :class:`IdempotencyMiddleware`."""
-
-    def __call__(self, store: Store, **kwargs: Any) -> Tiny: ...
-
-
 @pytest.fixture
 def tiny() -> TinyFactory:
-    """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`Tiny`.
-
-    Routes: ``POST /pay`` (201 with a fresh id; sets ``entered`` and waits on ``gate``
-    when the body has ``"wait": true``), ``POST /fail/{status}`` (answers that status),
-    ``POST /boom`` (raises), ``GET /pay``, ``POST /cookie`` (sets a cookie).
-    """
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    from asgi_idempotency import IdempotencyMiddleware
-
-    def build(store: Store, **kwargs: Any) -> Tiny:
-        calls: dict[str, int] = {}
-        gate, entered = asyncio.Event(), asyncio.Event()
-
-        def count(name: str) -> None:
-            calls[name] = calls.get(name, 0) + 1
-
-        async def pay(request: Request) -> Response:
-            count("pay")
-            body = await request.body()
-            data = await request.json() if body else {}
-            if data.get("wait"):
-                entered.set()
-                await gate.wait()
-            return JSONResponse({"id": uuid.uuid4().hex, "echo": data}, status_code=201)
-
-        async def fail(request: Request) -> Response:
-            count("fail")
-            return JSONResponse(
-                {"n": calls["fail"]}, status_code=int(request.path_params["status"])
-            )
-
-        async def boom(request: Request) -> Response:
-            count("boom")
-            raise RuntimeError("handler failed")
-
-        async def get_pay(request: Request) -> Response:
-            count("get")
-            return JSONResponse({"ok": True})
-
-        async def cookie(request: Request) -> Response:
-            count("cookie")
-            response = JSONResponse({"n": calls["cookie"]})
-            response.set_cookie("session", "secret-session")
-            return response
-
-        app = Starlette(
-            routes=[
-                Route("/pay", pay, methods=["POST"]),
-                Route("/pay", get_pay, methods=["GET"]),
-                Route("/fail/{status:int}", fail, methods=["POST"]),
-                Route("/boom", boom, methods=["POST"]),
-                Route("/cookie", cookie, methods=["POST"]),
-            ],
-            middleware=[
-                Middleware(IdempotencyMiddleware, store=store, **{"principal": ANONYMOUS, **kwargs})
-            ],
-        )
-        return Tiny(app, calls, gate, entered)
-
-    return build
+    """Factory: ``tiny(store, **middleware_kwargs)`` → :class:`tests.apps.Tiny` (see there)."""
+    return tiny_app

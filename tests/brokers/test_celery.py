@@ -24,6 +24,7 @@ from asgi_idempotency import MemoryStore, Once
 from asgi_idempotency.integrations.celery import CeleryGuard, ack_timeout
 from tests.brokers.effects import counted, until, who
 from tests.brokers.processes import Consumer, running
+from tests.conftest import worker_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.slow]
 
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pyt
 @pytest.fixture
 async def queue(amqp_url: str) -> AsyncIterator[str]:
     """A name for this test's queue (Celery declares it, with its exchange): both deleted."""
-    name = f"idem-celery-{uuid.uuid4().hex[:12]}"
+    name = worker_name("idem-celery", sep="-")
     try:
         yield name
     finally:

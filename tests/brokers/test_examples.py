@@ -11,14 +11,14 @@ import ast
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import aio_pika
 import pytest
 
 from tests.brokers.processes import ROOT, Consumer
-from tests.docs_text import docs_text
+from tests.conftest import worker_name
+from tests.project.docs_text import docs_text
 
 pytestmark = [pytest.mark.slow]
 
@@ -49,7 +49,7 @@ def test_the_page_prints_the_example_whole(name: str) -> None:
 def test_the_rabbitmq_example_issues_once_and_a_second_run_replays(
     amqp_url: str, tmp_path: Path
 ) -> None:
-    env = {"AMQP_URL": amqp_url, "REFUNDS_QUEUE": f"idem-example-{uuid.uuid4().hex[:12]}"}
+    env = {"AMQP_URL": amqp_url, "REFUNDS_QUEUE": worker_name("idem-example", sep="-")}
     first = run_python(["-m", "examples.rabbitmq_consumer"], tmp_path, env)
     again = run_python(["-m", "examples.rabbitmq_consumer"], tmp_path, env)
     assert last(first, "refunds issued: ") == ["A-88214", "A-88215"]
@@ -60,7 +60,7 @@ def test_the_rabbitmq_example_issues_once_and_a_second_run_replays(
 def test_the_nats_example_issues_once_and_a_second_run_replays(
     nats_url: str, tmp_path: Path
 ) -> None:
-    env = {"NATS_URL": nats_url, "REFUNDS_STREAM": f"idem-example-{uuid.uuid4().hex[:12]}"}
+    env = {"NATS_URL": nats_url, "REFUNDS_STREAM": worker_name("idem-example", sep="-")}
     first = run_python(["-m", "examples.nats_consumer"], tmp_path, env)
     again = run_python(["-m", "examples.nats_consumer"], tmp_path, env)
     assert last(first, "refunds issued: ") == ["A-88214", "A-88215"]
@@ -72,7 +72,7 @@ def test_the_nats_example_issues_once_and_a_second_run_replays(
 async def test_the_celery_example_issues_once_and_a_second_run_replays(
     amqp_url: str, tmp_path: Path
 ) -> None:
-    queue = f"idem-example-{uuid.uuid4().hex[:12]}"
+    queue = worker_name("idem-example", sep="-")
     env = {"AMQP_URL": amqp_url, "REFUNDS_QUEUE": queue}
     worker = Consumer(
         "celery", env, tmp_path / "worker.log",

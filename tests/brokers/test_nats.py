@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from asgi_idempotency import MemoryStore, Once
 from asgi_idempotency.integrations.nats import JetStreamGuard
 from tests.brokers.effects import counted, until, who
 from tests.brokers.processes import Consumer, running
+from tests.conftest import worker_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.postgres, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ async def delete_stream(nats_url: str, name: str) -> None:
 @pytest.fixture
 async def stream(nats_url: str) -> AsyncIterator[str]:
     """A stream of this test's own (and its consumer), deleted afterwards."""
-    name = f"idem-test-{uuid.uuid4().hex[:12]}"
+    name = worker_name("idem-test", sep="-")
     await create_stream(nats_url, name)
     try:
         yield name
@@ -109,7 +109,7 @@ async def test_killed_after_the_effect_before_the_ack_runs_twice_unguarded_once_
     """The consumer dies between its effect and its ack; JetStream redelivers after ack_wait."""
     effects: dict[str, int] = {}
     for guarded in ("0", "1"):
-        run = f"idem-test-{uuid.uuid4().hex[:12]}"
+        run = worker_name("idem-test", sep="-")
         await create_stream(nats_url, run)
         try:
             with running() as started:

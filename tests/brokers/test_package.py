@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests._blocking import run_without
+from tests.helpers._blocking import run_without
 
 
 def test_the_package_imports_without_any_broker_client() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from asgi_idempotency import MemoryStore, Once
 from asgi_idempotency.integrations.rabbitmq import RabbitMQGuard
 from tests.brokers.effects import counted, until, who
 from tests.brokers.processes import Consumer, running
+from tests.conftest import worker_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres, pyt
 @pytest.fixture
 async def queue_name(amqp_url: str) -> AsyncIterator[str]:
     """A quorum queue of this test's own, deleted afterwards."""
-    name = f"idem-test-{uuid.uuid4().hex[:12]}"
+    name = worker_name("idem-test", sep="-")
     connection = await aio_pika.connect(amqp_url)
     async with connection:
         channel = await connection.channel()

@@ -6,7 +6,7 @@ import pytest
 
 import asgi_idempotency.client as client
 from asgi_idempotency.client import keys, ledger, retry, transport
-from tests._blocking import run_without
+from tests.helpers._blocking import run_without
 
 
 def test_importable_without_starlette_sqlalchemy_httpx_or_stamina() -> None:

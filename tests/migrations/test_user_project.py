@@ -27,7 +27,7 @@ from sqlalchemy import Column, Engine, Index, Integer, MetaData, String, Table, 
 from asgi_idempotency.migrations import TABLE, VERSION_TABLE, include_object
 from asgi_idempotency.ops.cli import main as cli_main
 from tests.conftest import PgServer
-from tests.docs_text import docs_text
+from tests.project.docs_text import docs_text
 
 pytestmark = pytest.mark.postgres
 

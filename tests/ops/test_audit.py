@@ -26,9 +26,9 @@ from asgi_idempotency.core.keys import scope_digest
 from asgi_idempotency.http.principals import from_headers
 from asgi_idempotency.http.request import host_scope
 from asgi_idempotency.migrations import upgrade
-from tests.audit_app import APP, ENV
 from tests.conftest import MariaDBServer, PgServer
-from tests.serving import run_uvicorn
+from tests.helpers.serving import run_uvicorn
+from tests.ops.audit_app import APP, ENV
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -62,7 +62,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
             upgrade(url)
             yield url
     else:
-        from tests.redis_servers import start_server
+        from tests.helpers.redis_servers import start_server
 
         server = start_server(tmp_path / "redis")
         try:

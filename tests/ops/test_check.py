@@ -20,7 +20,7 @@ import pytest
 
 from asgi_idempotency.ops.check import CHECKS
 from asgi_idempotency.ops.cli import Exit, main
-from tests.serving import UvicornProcess, run_uvicorn
+from tests.helpers.serving import UvicornProcess, run_uvicorn
 
 from .check_apps import FLAWED, FLAWS, GUARDED
 

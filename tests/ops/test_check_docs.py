@@ -14,7 +14,7 @@ import pytest
 
 from asgi_idempotency.ops._serve import uvicorn_process
 from asgi_idempotency.ops.cli import Exit, main
-from tests.docs_text import ROOT
+from tests.project.docs_text import ROOT
 
 PAGE = ROOT / "docs" / "guide" / "check.md"
 EXAMPLE = ROOT / "examples" / "fastapi_refunds.py"

@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 from asgi_idempotency import SQLStore
 
 from ..conftest import emptied
-from ..serving import UvicornProcess, run_uvicorn
+from ..helpers.serving import UvicornProcess, run_uvicorn
 from .support import DEMO, SHARED_LEASE, Probe, TcpProxy, demo_env
 
 

@@ -17,15 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, idempotent
-from asgi_idempotency.http.principals import ANONYMOUS
-from tests.serving import run_uvicorn
+from asgi_idempotency import MemoryStore, idempotent
+from tests.apps import guarded
+from tests.helpers.serving import run_uvicorn
 
 APP = "tests.reliability.answer_app:app"
 
@@ -92,10 +90,7 @@ async def test_pathsend_file_response_delivers_and_replays_its_bytes(tmp_path: P
         runs.append(1)
         return FileResponse(receipt, status_code=201)
 
-    app = Starlette(
-        routes=[Route("/receipts", download, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Route("/receipts", download, methods=["POST"])])
 
     async def call() -> tuple[int, dict[bytes, bytes], bytes]:
         """As Granian calls an app: the pathsend extension offered."""
@@ -155,10 +150,7 @@ async def test_a_stream_too_large_to_keep_runs_once_and_retries_are_told_so() ->
 
         return StreamingResponse(produce(), media_type="application/octet-stream")
 
-    app = Starlette(
-        routes=[Route("/exports", export, methods=["POST"])],
-        middleware=[Middleware(IdempotencyMiddleware, store=MemoryStore(), principal=ANONYMOUS)],
-    )
+    app = guarded(MemoryStore(), [Route("/exports", export, methods=["POST"])])
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         first = await c.post("/exports", headers={"Idempotency-Key": "e-1"})

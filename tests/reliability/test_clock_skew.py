@@ -24,7 +24,7 @@ import pytest
 from asgi_idempotency.stores.base import Record, Store, utcnow
 
 from ..conftest import open_store
-from ..serving import UvicornProcess, run_uvicorn
+from ..helpers.serving import UvicornProcess, run_uvicorn
 from .redis_app import APP, effects, env_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

@@ -25,7 +25,7 @@ from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.stores.base import RecordStatus, Store
 
 from ..conftest import StoreClock
-from ..serving import UvicornProcess
+from ..helpers.serving import UvicornProcess
 from .apps import asgi_call, refund_app
 from .support import Probe
 
@@ -176,6 +176,7 @@ async def test_cancelled_while_completing_the_completion_still_lands(
                 n = await conn.scalar(
                     text(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND datname = current_database() "
                         "AND query ILIKE 'UPDATE idempotency_records%'"
                     )
                 )

@@ -41,10 +41,15 @@ from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.http.asgi import Scope
 from asgi_idempotency.stores.base import Store
 from asgi_idempotency.stores.sql.schema import records
+from tests.conftest import APP_KINDS, app_store
 
 from .apps import RawResponse, asgi_call
 
 pytestmark = pytest.mark.anyio
+
+# Hostile requests meet the middleware, not the store: one store of each family
+# (the store contract holds every kind to the same rules).
+store = pytest.fixture(params=APP_KINDS, name="store")(app_store)
 
 LIMIT = 128 * 1024  # the route's body limit: room for 100 000 '['
 PROBLEM = b"application/problem+json"

@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from ..serving import UvicornProcess
+from ..helpers.serving import UvicornProcess
 from .support import SHARED_LEASE, Probe
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]

@@ -13,7 +13,7 @@ import pytest
 
 from asgi_idempotency import SQLStore
 
-from ..serving import UvicornProcess
+from ..helpers.serving import UvicornProcess
 from .apps import refund_app
 from .support import SHARED_LEASE, Probe, TcpProxy, close_bounded
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ..serving import run_uvicorn
+from ..helpers.serving import run_uvicorn
 from .support import DEMO, Probe, demo_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]

@@ -20,9 +20,15 @@ import pytest
 
 from asgi_idempotency.stores.redis import RedisStore
 from tests.conftest import redis_store
-from tests.redis_servers import RedisCluster, RedisServer, redis_cli, start_cluster, start_server
+from tests.helpers.redis_servers import (
+    RedisCluster,
+    RedisServer,
+    redis_cli,
+    start_cluster,
+    start_server,
+)
 
-from ..serving import run_uvicorn
+from ..helpers.serving import run_uvicorn
 from .apps import refund_app
 from .redis_app import APP, effects, env_for
 

@@ -26,15 +26,14 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import IdempotencyMiddleware, MemoryStore, Policy, SQLStore
+from asgi_idempotency import MemoryStore, Policy, SQLStore
 from asgi_idempotency.core.keys import scoped_key
-from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import NewClaim, Record, Store
+from tests.apps import guarded
 from tests.conftest import NO_POSTGRES, _pg_ctl
 
 pytestmark = pytest.mark.anyio
@@ -48,17 +47,7 @@ def _app(store: Store, calls: list[int]) -> Starlette:
         calls.append(1)
         return JSONResponse({"ok": True}, status_code=201)
 
-    return Starlette(
-        routes=[Route("/pay", pay, methods=["POST"])],
-        middleware=[
-            Middleware(
-                IdempotencyMiddleware,
-                store=store,
-                principal=ANONYMOUS,
-                policies={"POST /pay": Policy()},
-            )
-        ],
-    )
+    return guarded(store, [Route("/pay", pay, methods=["POST"])], policies={"POST /pay": Policy()})
 
 
 async def _post(store: Store) -> tuple[httpx.Response, list[int]]:

@@ -2,7 +2,7 @@
 
 The first runs in another worker (its own uvicorn process), so the storm's worker
 cannot be told when it ends and must read the store. That worker's connections go
-through a wire counter (``tests/pgwire.py``): while 200 duplicates wait, its reads of
+through a wire counter (``tests/helpers/pgwire.py``): while 200 duplicates wait, its reads of
 the key stay within what one waiter's backoff makes, every duplicate gets the first's
 response byte for byte, the handler runs once, other keys are served meanwhile (the
 pool is not held by the waiters), and the worker's memory stays flat from storm to
@@ -23,8 +23,8 @@ from sqlalchemy.engine import make_url
 
 from asgi_idempotency.core.waiting import POLL_FIRST, POLL_MAX
 
-from ..pgwire import RoundTrip, WireCounter
-from ..serving import UvicornProcess, run_uvicorn
+from ..helpers.pgwire import RoundTrip, WireCounter
+from ..helpers.serving import UvicornProcess, run_uvicorn
 from .support import Probe
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres, pytest.mark.slow]

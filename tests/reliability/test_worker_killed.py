@@ -21,7 +21,7 @@ from asgi_idempotency import SQLStore
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome, claim
 
 from ..conftest import emptied
-from ..serving import UvicornProcess, run_uvicorn
+from ..helpers.serving import UvicornProcess, run_uvicorn
 from .support import DEMO, Probe, demo_env
 
 pytestmark = pytest.mark.anyio

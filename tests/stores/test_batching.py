@@ -31,8 +31,8 @@ from asgi_idempotency.stores.base import NewClaim, utcnow
 from asgi_idempotency.stores.batching import Batcher
 from asgi_idempotency.stores.sql.postgres_batched import _FIELDS, BatchingPostgresDriver
 from asgi_idempotency.stores.sql.statements import PG_BATCHED
-from tests import pgwire
 from tests.conftest import truncate
+from tests.helpers import pgwire
 from tests.stores.test_round_trips import _proxied
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ transaction, a statement given up on that committed later, batches locking rows 
 their own orders, dead pooled connections, and cancellations at every point of a
 claim's life. Real Postgres throughout: lock holders are real second connections
 (asyncpg), dead connections are ``pg_terminate_backend``, and faults on the wire come
-from a loopback proxy (:mod:`tests.pgfaults`).
+from a loopback proxy (:mod:`tests.helpers.pgfaults`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.lifecycle import Claim
 from asgi_idempotency.stores.base import NewClaim
 from tests.conftest import emptied
-from tests.pgfaults import FaultProxy
+from tests.helpers.pgfaults import FaultProxy
 from tests.stores.test_batching import LEASE, RESPONSE, TTL, driver, k, tok
 
 pytestmark = [pytest.mark.anyio, pytest.mark.postgres]

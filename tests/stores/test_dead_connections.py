@@ -6,7 +6,7 @@ Real Postgres, the real middleware over ASGI: the hot path's connections are war
 requests, then a second connection ``pg_terminate_backend``s every idle backend of the
 store's database, and the next requests are answered as if nothing had happened. And
 statements whose connection was cut after they committed (a loopback proxy,
-:mod:`tests.pgfaults`) are answered as they landed.
+:mod:`tests.helpers.pgfaults`) are answered as they landed.
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ import httpx
 import pytest
 from sqlalchemy import func, insert, select
 from sqlalchemy.engine import make_url
-from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from asgi_idempotency import ClaimOutcome, IdempotencyMiddleware, Policy, RecordStatus, SQLStore
+from asgi_idempotency import ClaimOutcome, Policy, RecordStatus, SQLStore
 from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.integrations.transactional import get_session
 from asgi_idempotency.ops.demo import refunds
+from tests.apps import guarded
 from tests.conftest import TinyFactory, emptied
-from tests.pgfaults import FaultProxy
+from tests.helpers.pgfaults import FaultProxy
 from tests.stores.test_batching import RESPONSE, TTL, k, tok
 from tests.stores.test_batching_safety import (
     batched_store,
@@ -136,16 +135,10 @@ async def test_idle_connections_terminated_cost_a_transactional_route_no_answer(
         return JSONResponse({"n": len(runs)}, status_code=201)
 
     async with emptied(SQLStore(pg_url, batching=batching)) as store:
-        app = Starlette(
-            routes=[Route("/refunds", refund, methods=["POST"])],
-            middleware=[
-                Middleware(
-                    IdempotencyMiddleware,
-                    store=store,
-                    principal=ANONYMOUS,
-                    policies={"POST /refunds": Policy(required=True, transactional=True)},
-                )
-            ],
+        app = guarded(
+            store,
+            [Route("/refunds", refund, methods=["POST"])],
+            policies={"POST /refunds": Policy(required=True, transactional=True)},
         )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

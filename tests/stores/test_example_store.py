@@ -1,6 +1,6 @@
 """The "Writing a store" page: its store is examples/dict_store.py, and it passes the contract.
 
-The page's two blocks are read from the docs (tests.docs_text): the first must be the
+The page's two blocks are read from the docs (tests.project.docs_text): the first must be the
 example file as it is, the second (a user's test module) runs here as printed, so
 pytest collects its ``TestDictStore`` from this module.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from asgi_idempotency.stores.registry import kind_of, open_store
 from examples.dict_store import DictStore
-from tests.docs_text import ROOT
+from tests.project.docs_text import ROOT
 
 PAGE = ROOT / "docs" / "guide" / "writing-a-store.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.S)

@@ -314,9 +314,11 @@ async def test_a_deadlock_is_a_store_error(mariadb_url: str, mstore: SQLStore) -
         async with mstore.engine.connect() as watcher:  # both wait on the blocker's row
 
             async def waiting() -> int:
+                # This database's waits only: other test workers share the server.
                 query = (
-                    "SELECT COUNT(*) FROM information_schema.innodb_trx"
-                    " WHERE trx_state = 'LOCK WAIT'"
+                    "SELECT COUNT(*) FROM information_schema.innodb_trx t"
+                    " JOIN information_schema.processlist p ON p.ID = t.trx_mysql_thread_id"
+                    " WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()"
                 )
                 return int((await watcher.execute(text(query))).scalar_one())
 

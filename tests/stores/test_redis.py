@@ -30,8 +30,8 @@ from asgi_idempotency.http.principals import ANONYMOUS
 from asgi_idempotency.stores.base import Capabilities, NewClaim, RecordStatus, Store, capabilities
 from asgi_idempotency.stores.redis import REDIS_ERRORS, RedisStore
 from tests.conftest import TinyFactory
-from tests.redis_servers import RedisCluster as OurCluster
-from tests.redis_servers import RedisServer, redis_cli, start_cluster, start_server
+from tests.helpers.redis_servers import RedisCluster as OurCluster
+from tests.helpers.redis_servers import RedisServer, redis_cli, start_cluster, start_server
 from tests.reliability.support import TcpProxy
 from tests.stores.test_round_trips import _drive
 

@@ -21,8 +21,8 @@ from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.lifecycle import ClaimOutcome
 from asgi_idempotency.stores.base import NewClaim, RecordStatus
 from asgi_idempotency.stores.redis import RedisStore
-from tests.redis_servers import RedisCluster as OurCluster
-from tests.redis_servers import redis_cli, start_server
+from tests.helpers.redis_servers import RedisCluster as OurCluster
+from tests.helpers.redis_servers import redis_cli, start_server
 from tests.stores.test_redis import _commandstats, _keys_on, _ports, patient_cluster
 
 __all__ = ["patient_cluster"]  # the fixture, shared with test_redis.py

@@ -1,7 +1,7 @@
 """Round trips per outcome, pinned (not timed): the store's cost model from DESIGN.md.
 
 Postgres is counted on the wire, through a loopback proxy that reads the frontend
-protocol (``tests.pgwire``): one ``Sync`` or simple ``Query`` is one round trip,
+protocol (``tests.helpers.pgwire``): one ``Sync`` or simple ``Query`` is one round trip,
 whatever the driver or SQLAlchemy do above it, BEGIN and COMMIT included. SQLite is
 counted as calls to its connection thread (its round trip) and, through sqlite3's
 trace hook, as the statements the library ran.
@@ -18,8 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from asgi_idempotency import SQLStore
-from tests import pgwire
 from tests.conftest import Tiny, TinyFactory
+from tests.helpers import pgwire
 
 pytestmark = pytest.mark.anyio
 

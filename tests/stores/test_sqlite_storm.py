@@ -2,7 +2,7 @@
 
 Every process runs its own store (its own connection thread, batching what queues)
 and they contend for SQLite's one write lock; ``busy_timeout`` makes them wait for it
-rather than fail. Complements the HTTP storm in ``tests/test_concurrency.py``, which
+rather than fail. Complements the HTTP storm in ``tests/http/test_concurrency.py``, which
 sends one key to four uvicorn workers: here many keys, shared and not, interleave.
 """
 

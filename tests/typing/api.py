@@ -8,7 +8,7 @@ of them starts to type-check (a duration that takes a bare number again, a store
 passed positionally, a sync transport wrapped in the async one).
 
 Every name of ``asgi_idempotency.__all__`` and ``asgi_idempotency.client.__all__``
-is imported here, from the package as a user imports it (tests/test_public_api.py
+is imported here, from the package as a user imports it (tests/project/test_public_api.py
 keeps that so). Not a test module: pytest collects ``test_*.py`` only, and importing
 this one only defines functions.
 """
@@ -217,6 +217,9 @@ def middleware(store: Store) -> IdempotencyMiddleware:
         inner, store=store, principal=from_dependency(lambda: "alice", identity="username")
     )
     IdempotencyMiddleware(inner, store=store, principal=from_user(identity="username"))
+    named = IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, namespace="billing")
+    assert_type(named.namespace, str | None)
+    IdempotencyMiddleware(inner, store=store, principal=ANONYMOUS, namespace=b"x")  # type: ignore[arg-type]  # a str
     from_user(identity=3)  # type: ignore[arg-type]  # a function or an attribute name
     from_headers(b"X-Tenant-Id")  # type: ignore[arg-type]  # header names are str
     IdempotencyMiddleware(inner)  # type: ignore[call-arg]  # a store is required

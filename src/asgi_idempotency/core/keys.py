@@ -10,6 +10,8 @@ from asgi_idempotency.core.errors import InvalidKey
 __all__ = [
     "HEADER",
     "MAX_KEY_LENGTH",
+    "MAX_NAMESPACE_LENGTH",
+    "check_namespace",
     "parse_key",
     "scope_digest",
     "scoped_key",
@@ -97,6 +99,25 @@ def _parse_sf_string(value: bytes) -> str:
         else:
             break
     raise InvalidKey('The quoted Idempotency-Key is not a valid string, e.g. "order-42".')
+
+
+MAX_NAMESPACE_LENGTH = 64
+_NAMESPACE = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAMESPACE_LENGTH}}}")
+
+
+def check_namespace(namespace: object) -> str:
+    """``namespace`` if it names a service as a record's scope may: 1 to 64 ASCII
+    letters, digits, ``.``, ``_`` or ``-`` (``"billing"``, ``"payments.eu-1"``).
+
+    Raises:
+        ValueError: anything else, the empty string and non-strings included, named.
+    """
+    if isinstance(namespace, str) and _NAMESPACE.fullmatch(namespace):
+        return namespace
+    raise ValueError(
+        f"namespace {namespace!r} is not a service name: use 1 to {MAX_NAMESPACE_LENGTH} "
+        "ASCII letters, digits, '.', '_' or '-', e.g. 'billing'"
+    )
 
 
 def scoped_key(principal: str, key: str, host: str = "", namespace: str = "") -> str:

@@ -105,7 +105,7 @@ _LOCKED_ELSEWHERE = Claim(ClaimOutcome.IN_PROGRESS)
 def judge(existing: Record | None, request_hash: str, now: datetime) -> ClaimOutcome:
     """What the row in the way (or none) means for a new request with ``request_hash``."""
     # state_of(existing, now), read in the order state() tests it, without its two
-    # calls: every replay, 409 and 422 comes here. tests/test_lifecycle.py holds the
+    # calls: every replay, 409 and 422 comes here. tests/core/test_lifecycle.py holds the
     # two to the same answer for every combination.
     if existing is None:
         return ClaimOutcome.CLAIMED

@@ -13,9 +13,17 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 
-async def send_response(send: Send, status: int, headers: Headers, body: bytes) -> None:
-    """Send one complete response, with a Content-Length that matches ``body``."""
+async def send_response(
+    send: Send, status: int, headers: Headers, body: bytes, trailers: Headers | None = None
+) -> None:
+    """Send one complete response, with a Content-Length that matches ``body``, and
+    ``trailers`` after it when given (the server must offer ``http.response.trailers``)."""
     out = [(k, v) for k, v in headers if k.lower() != b"content-length"]
     out.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": out})
+    if trailers is None:
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    await send({"type": "http.response.start", "status": status, "headers": out, "trailers": True})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send({"type": "http.response.trailers", "headers": trailers, "more_trailers": False})

@@ -1,6 +1,10 @@
-"""The response side: which of a response's headers may be replayed, and sending a
-stored response. Holding the app's response back until it is complete (or streaming
-it) is the :class:`~.responder.Responder`'s.
+"""The response side: which of a response's headers (and trailers) may be replayed, and
+sending a stored response. Holding the app's response back until it is complete (or
+streaming it) is the :class:`~.responder.Responder`'s.
+
+Trailers (ASGI's ``http.response.trailers``: gRPC's ``grpc-status``, a checksum computed
+while streaming) are stored after the headers, each name behind :data:`TRAILER_PREFIX`,
+so every store keeps them in the column or field it keeps headers in.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Iterable
 from asgi_idempotency.http.asgi import Headers, Send, send_response
 from asgi_idempotency.stores.base import StoredResponse
 
-__all__ = ["send_replay", "storable_headers"]
+__all__ = ["TRAILER_PREFIX", "send_replay", "storable_headers", "stored_headers"]
 
 # Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
 # Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
@@ -32,6 +36,10 @@ _UNSTORED = frozenset(
     }
 )
 _REPLAYED = (b"idempotent-replayed", b"true")
+# Before each stored trailer's name. A colon is no token character (RFC 9110 §5.1), so no
+# header field a server would send can be stored under this prefix.
+TRAILER_PREFIX = b":trailer:"
+_TRAILER_MARK = TRAILER_PREFIX[:1]
 
 
 def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
@@ -54,14 +62,39 @@ def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[byte
     return tuple(kept)
 
 
-async def send_replay(send: Send, response: StoredResponse, request_headers: Headers) -> None:
+def stored_headers(
+    headers: Iterable[tuple[bytes, bytes]], trailers: Iterable[tuple[bytes, bytes]] | None
+) -> tuple[tuple[bytes, bytes], ...]:
+    """What a response stores in its headers' place: :func:`storable_headers`, then the
+    trailers, when it sent any, each name behind :data:`TRAILER_PREFIX`."""
+    kept = storable_headers(headers)
+    if not trailers:
+        return kept
+    return kept + tuple((TRAILER_PREFIX + n, v) for n, v in storable_headers(trailers))
+
+
+async def send_replay(
+    send: Send, response: StoredResponse, request_headers: Headers, *, trailers: bool = False
+) -> None:
     """The stored response, byte for byte, marked ``Idempotent-Replayed: true``.
 
     One exception: a body the app compressed for the first request (``Content-Encoding``)
     is decoded when this request did not accept that coding and it is one the standard
     library reads (gzip, deflate); the app's own compression is not the retry's choice.
+    The stored trailers follow the body when ``trailers`` says this request's server
+    takes them (``scope["extensions"]["http.response.trailers"]``); else they are left
+    out and the response ends with its body.
     """
     headers, body = response.headers, response.body
+    stored_trailers: Headers | None = None
+    if headers and headers[-1][0][:1] == _TRAILER_MARK:  # trailers are stored last
+        cut = len(headers)
+        while cut and headers[cut - 1][0].startswith(TRAILER_PREFIX):
+            cut -= 1
+        if trailers:
+            skip = len(TRAILER_PREFIX)
+            stored_trailers = [(n[skip:], v) for n, v in headers[cut:]]
+        headers = headers[:cut]
     for name, value in headers:
         # The first byte first: most names are not "content-encoding" in any case.
         if name[:1] in b"cC" and name.lower() == b"content-encoding":
@@ -72,7 +105,7 @@ async def send_replay(send: Send, response: StoredResponse, request_headers: Hea
                     body = decoded
                     headers = tuple(h for h in headers if h[0].lower() != b"content-encoding")
             break
-    await send_response(send, response.status, [*headers, _REPLAYED], body)
+    await send_response(send, response.status, [*headers, _REPLAYED], body, stored_trailers)
 
 
 def _accepts(headers: Headers, coding: bytes) -> bool:

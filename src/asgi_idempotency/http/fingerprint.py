@@ -125,7 +125,7 @@ def fingerprint_after(
 ) -> str:
     """:func:`fingerprint` from the :func:`request_prefix` of its method and path."""
     # Records store this digest: the bytes hashed must never change, or every key in
-    # flight across an upgrade would get 422 (tests/test_fingerprint.py pins golden values).
+    # flight across an upgrade would get 422 (tests/http/test_fingerprint.py pins golden values).
     marker, material = _RAW, body
     if body and content_type:
         kind = _kind(content_type)
@@ -367,7 +367,7 @@ def _canonical_json_without(body: bytes, exclude: tuple[str, ...]) -> bytes | No
     _remove(document, pointers)
     try:
         # canonical_json of a parsed document gives the bytes canonicalize_json_bytes
-        # gives for its text (tests/test_fingerprint.py): excluding a pointer that names
+        # gives for its text (tests/http/test_fingerprint.py): excluding a pointer that names
         # nothing leaves the digest a policy without exclusions computes.
         return canonical_json(document)
     except CanonicalJSONError:

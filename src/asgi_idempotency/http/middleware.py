@@ -27,7 +27,7 @@ from asgi_idempotency.core.errors import (
     PrincipalMisconfigured,
     PrincipalMissing,
 )
-from asgi_idempotency.core.keys import parse_key, scoped_key
+from asgi_idempotency.core.keys import check_namespace, parse_key, scoped_key
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
 from asgi_idempotency.http.fingerprint import fingerprint_after, request_prefix
 from asgi_idempotency.http.policy import (
@@ -140,6 +140,16 @@ class IdempotencyMiddleware:
             :class:`Policy`'s ``mode``): records are kept as usual, but every request
             runs and gets the app's own answer; what the guard would have answered
             is counted and logged. Default ``"enforce"``.
+        namespace: the service's name when several services share one store (one
+            table, one Redis): 1 to 64 ASCII letters, digits, ``.``, ``_`` or ``-``
+            (``"billing"``). Records of different namespaces never answer each
+            other, even for the same host, path, caller, key and body; services
+            given the same namespace (or none) share records. Default ``None``: no
+            namespace, the record keys of a guard without one. Changing it starts
+            every key afresh (a retry across the change runs again).
+
+    Raises:
+        ValueError: ``namespace`` is not such a name (the empty string included).
     """
 
     # A guard marks itself so that the route walk can tell a mounted app with a guard of
@@ -172,8 +182,11 @@ class IdempotencyMiddleware:
         prune_interval: float | None = None,
         mode: Literal["enforce", "report"] = "enforce",
         detect_regenerated_keys: timedelta | None = None,
+        namespace: str | None = None,
     ) -> None:
         self.app = app
+        # Checked first: a bad name must not leave a half-built guard behind.
+        space = "" if namespace is None else check_namespace(namespace)
         self.store = store
         self.policies = dict(policies or {})
         self.default_policy = default_policy or Policy()
@@ -200,12 +213,12 @@ class IdempotencyMiddleware:
         self._observer = Observer(metrics, f"{label}/{dialect}" if dialect else label)
         self._runtime = Runtime(
             app, store, clock=clock, fail_open=fail_open, retry_after=retry_after,
-            observer=self._observer,
+            observer=self._observer, namespace=space,
         )  # fmt: skip
         self.check_policies()
         self._readiness = Readiness(store, self._observer, retry_after)
         if detect_regenerated_keys is not None:
-            self._runtime.regenerated = RegeneratedKeys(detect_regenerated_keys)
+            self._runtime.regenerated = RegeneratedKeys(detect_regenerated_keys, namespace=space)
         # The checks against the app (appcheck.py) and, for from_dependency, the claim
         # added to FastAPI routes: at lifespan startup, else before the first request.
         self._started = False
@@ -235,6 +248,12 @@ class IdempotencyMiddleware:
             "no IdempotencyMiddleware in this app's middleware yet: call "
             "IdempotencyMiddleware.of(app) once the app has started"
         )
+
+    @property
+    def namespace(self) -> str | None:
+        """The service's namespace in every record's scope, or ``None`` (read-only: the
+        keys of records already written depend on it)."""
+        return self._runtime.namespace or None
 
     def snapshot(self) -> MetricsSnapshot:
         """This middleware's outcome counts so far, by route template and outcome.
@@ -498,7 +517,7 @@ class IdempotencyMiddleware:
         if principal is None:  # named when FastAPI resolves the dependency
             return GuardedRequest("", None, request_hash, policy, route, body, client_key, where)
         principal = str(principal)
-        key = scoped_key(principal, client_key, where)
+        key = scoped_key(principal, client_key, where, self._runtime.namespace)
         return GuardedRequest(key, principal, request_hash, policy, route, body, client_key, where)
 
     async def _answer(

@@ -321,10 +321,43 @@ def expand_routes(routes: Iterable[Any]) -> list[Any]:
     return list(flatten(list(routes)))
 
 
+# The routes of an owner that has none (a Mount of a bare app): one list, so that two
+# reads of such an owner compare equal.
+_NO_ROUTES: list[Any] = []
+
+
 def _routes_of(owner: Any) -> list[Any]:
     """A router's or a Mount's routes as they are now ([] for a Mount of a bare app)."""
-    routes: list[Any] = getattr(owner, "routes", [])
+    routes: list[Any] = getattr(owner, "routes", _NO_ROUTES)
     return routes
+
+
+def _copy(routes: list[Any]) -> list[Any]:
+    """What a route list holds now, to tell later whether it still holds the same.
+
+    Compared with ``==``: CPython compares two lists item by item, by identity first, so
+    an unchanged list costs a pointer comparison per route and a changed one stops at
+    the first route that differs. A route swapped for another is seen even where the
+    count stays the same; one equal to the route it replaced (Starlette's ``Route``
+    compares path, endpoint and methods, the inputs of the decision) leaves it as it was.
+    """
+    return list(routes)
+
+
+def _included_routers(routes: list[Any], found: list[tuple[Any, list[Any]]]) -> None:
+    """Each FastAPI router included in ``routes`` (at any depth), with its routes now.
+
+    Recent FastAPI keeps an included router nested: the app's list holds one entry for
+    it whatever the router holds, and a route added to the router later changes only the
+    router's own list, so that list is watched too.
+    """
+    for route in routes:
+        router = getattr(route, "original_router", None)
+        if router is None or any(owner is router for owner, _ in found):
+            continue
+        inner = _routes_of(router)
+        found.append((router, _copy(inner)))
+        _included_routers(inner, found)
 
 
 def has_router(scope: Scope) -> bool:
@@ -332,21 +365,30 @@ def has_router(scope: Scope) -> bool:
     return getattr(scope.get("app"), "router", None) is not None
 
 
+# What a resolution read: each route list's owner, with what the list held then.
+Seen = list[tuple[Any, list[Any]]]
+# The flattened-route cache's entry: (the list, what it held, its routes flattened, the
+# FastAPI routers included in it with what their lists held).
+_Flat = tuple[list[Any], list[Any], list[Any], Seen]
+
+
 class _Walk:
     """One resolution; notes whether the answer depended on more than method and path,
-    and whose route lists it looked at (the router, the Mounts it entered) with their
-    lengths then, so a cached answer can tell that a route was added or removed since."""
+    and whose route lists it looked at (the router, the Mounts it entered, the FastAPI
+    routers included in them) with what they held then, so a cached answer can tell
+    that a route was added, removed or swapped for another since."""
 
-    def __init__(self, expand: Callable[[list[Any]], list[Any]], guard: object) -> None:
+    def __init__(self, expand: Callable[[list[Any]], _Flat], guard: object) -> None:
         self.expand = expand
         self.guard = guard
         self.cacheable = True
-        self.seen: list[tuple[Any, int]] = []
+        self.seen: Seen = []
 
     def __call__(self, owner: Any, scope: dict[str, Any], prefix: str) -> ResolvedRoute | None:
-        routes = _routes_of(owner)
-        self.seen.append((owner, len(routes)))
-        for route in self.expand(routes):
+        _, held, flat, included = self.expand(_routes_of(owner))
+        self.seen.append((owner, held))
+        self.seen += included
+        for route in flat:
             sub = sub_app_route(route)
             if isinstance(sub, Host):
                 self.cacheable = False  # the Host header decides, not the path
@@ -387,8 +429,9 @@ class RouteResolver(Generic[T]):
     prefix), so that a repeated path costs one dict lookup and nothing else.
 
     A cached answer is used only while every route list the walk looked at (the
-    router's, and those of the Mounts it entered) has the length it had then, so
-    a route added or removed anywhere on the way is seen on the next request. Apps
+    router's, those of the Mounts it entered and of the FastAPI routers included on
+    the way) holds the routes it held then, so a route added, removed or swapped for
+    another anywhere on the way is seen on the next request. Apps
     whose walk meets a Host route are resolved afresh every time, since the Host
     header decides there. At most ``maxsize`` answers are kept, then the cache
     starts over. Call :meth:`clear` when what ``decide`` reads changes.
@@ -398,21 +441,25 @@ class RouteResolver(Generic[T]):
         self.maxsize = maxsize
         self._decide = decide
         self._guard = guard  # the guard resolving: a Mount with another guard is that one's
-        # (id(router), method, root_path, path) -> (answer, router, [(route owner, len)])
-        self._answers: dict[tuple[int, str, str, str], tuple[T, Any, list[tuple[Any, int]]]] = {}
-        # id(routes list) -> (the list, its length then, the flattened routes)
-        self._flat: dict[int, tuple[list[Any], int, list[Any]]] = {}
+        # (id(router), method, root_path, path) -> (answer, router, what the walk read)
+        self._answers: dict[tuple[int, str, str, str], tuple[T, Any, Seen]] = {}
+        # id(routes list) -> its flattened routes, and what they were made of (_Flat)
+        self._flat: dict[int, _Flat] = {}
 
     def clear(self) -> None:
         self._answers.clear()
 
-    def _expand(self, routes: list[Any]) -> list[Any]:
+    def _expand(self, routes: list[Any]) -> _Flat:
         cached = self._flat.get(id(routes))
-        if cached is not None and cached[0] is routes and cached[1] == len(routes):
-            return cached[2]
-        flat = expand_routes(routes)
-        self._flat[id(routes)] = (routes, len(routes), flat)
-        return flat
+        if cached is not None and cached[0] is routes and _unchanged(cached[1], routes, cached[3]):
+            return cached
+        included: Seen = []
+        _included_routers(routes, included)
+        entry = (routes, _copy(routes), expand_routes(routes), included)
+        if len(self._flat) >= self.maxsize:
+            self._flat.clear()
+        self._flat[id(routes)] = entry
+        return entry
 
     def __call__(self, scope: Scope) -> T:
         router = getattr(scope.get("app"), "router", None)
@@ -420,15 +467,15 @@ class RouteResolver(Generic[T]):
         cached = self._answers.get(key)
         # The router is compared as well as its id: a freed router's id can be reused.
         if cached is not None and cached[1] is router:
-            for owner, length in cached[2]:
+            for owner, held in cached[2]:
                 # Read again, not remembered: a Mount's routes are its app's current list.
-                if len(getattr(owner, "routes", ())) != length:
+                if getattr(owner, "routes", _NO_ROUTES) != held:
                     break
             else:
                 return cached[0]
         if router is None:
             answer = self._decide(scope, None, False)
-            seen: list[tuple[Any, int]] = []
+            seen: Seen = []
         else:
             walk = _Walk(self._expand, self._guard)
             found = walk(router, dict(scope), "")
@@ -440,6 +487,13 @@ class RouteResolver(Generic[T]):
             self._answers.clear()
         self._answers[key] = (answer, router, seen)
         return answer
+
+
+def _unchanged(held: list[Any], routes: list[Any], included: Seen) -> bool:
+    """Whether ``routes`` and the routers included in it hold what they held."""
+    if routes != held:
+        return False
+    return all(_routes_of(router) == inner for router, inner in included)
 
 
 def iter_endpoint_policies(app: Any, guard: object = None) -> list[Policy]:

@@ -50,7 +50,7 @@ from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.keys import scope_digest, scoped_key
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
-from asgi_idempotency.http.capture import send_replay, storable_headers
+from asgi_idempotency.http.capture import send_replay, stored_headers
 from asgi_idempotency.http.policy import Policy
 from asgi_idempotency.http.problems import send_problem
 from asgi_idempotency.observability import tracing
@@ -70,6 +70,7 @@ GUARD_SCOPE_KEY = "asgi_idempotency.http.responder"
 # past it, retries are told the request ran and its response was not kept.
 STREAM_KEEP_LIMIT = 1024 * 1024
 _PATHSEND = "http.response.pathsend"
+_TRAILERS = "http.response.trailers"
 
 
 class GuardedRequest(NamedTuple):
@@ -87,7 +88,7 @@ class GuardedRequest(NamedTuple):
 
 class Runtime:
     """What every request of one middleware shares: the runner (the store, the clock, the
-    settings), the app and the regenerated-key detector."""
+    settings), the app, the service's namespace and the regenerated-key detector."""
 
     __slots__ = ("app", "namespace", "regenerated", "runner")
 
@@ -100,12 +101,13 @@ class Runtime:
         fail_open: bool,
         retry_after: float,
         observer: Observer,
+        namespace: str = "",
     ) -> None:
         self.runner = Runner(
             store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
         )
         self.app = app
-        self.namespace = ""  # the service's namespace in every key ("": none)
+        self.namespace = namespace  # the service's namespace in every key ("": none)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
 
@@ -137,7 +139,8 @@ class Responder:
     """The state of one guarded request."""
 
     __slots__ = ("chunks", "execution", "kept", "receive", "req", "rt", "runner", "scope",
-                 "send", "span", "start", "state", "streaming", "unread")  # fmt: skip
+                 "send", "span", "start", "state", "streaming", "trailers",
+                 "unread")  # fmt: skip
 
     def __init__(
         self, rt: Runtime, req: GuardedRequest, scope: Scope, receive: Receive, send: Send
@@ -151,6 +154,9 @@ class Responder:
         self.chunks: list[bytes] = []
         self.kept = 0  # bytes of a streamed response kept so far
         self.streaming = False
+        # A response that announced trailers ends with them, not with its final body:
+        # set to the trailer fields received so far once that body has come.
+        self.trailers: list[tuple[bytes, bytes]] | None = None
         self.unread = True  # the buffered request body is still to be given to the app
         self.span: Any = None  # the request's recording trace span, if any
 
@@ -373,6 +379,12 @@ class Responder:
                 self._stop_renewal()
                 await self._release()
                 raise RuntimeError("the application returned without sending a response")
+            if self.trailers is not None:
+                # Returned before its last trailers: end them here (with those it sent).
+                await self._finish(None)
+                return
+            if self.start.get("trailers", False):
+                self.trailers = []  # announced, never sent: the response still ends
             # Returned without a final body message: end the response here.
             end = {"type": "http.response.body", "body": b"", "more_body": False}
             await self._finish(end if self.streaming else None)
@@ -397,7 +409,12 @@ class Responder:
             self.start = message
             return
         if kind != "http.response.body":
-            return  # trailers and extensions are not part of what is replayed
+            trailers = self.trailers
+            if kind == _TRAILERS and trailers is not None:
+                trailers += message.get("headers", ())
+                if not message.get("more_trailers", False):
+                    await self._finish(None)  # the response's end: complete, then send
+            return  # other extensions are not part of what is replayed
         body: bytes = message.get("body", b"")
         if message.get("more_body", False):
             if not self.streaming:
@@ -409,6 +426,14 @@ class Responder:
             await self.send(message)
             return
         self._keep(body)
+        start = self.start
+        if start is not None and start.get("trailers", False):
+            # The response ends with its trailers (ASGI http.response.trailers): they
+            # are part of the outcome, so it is stored, and its end sent, after them.
+            self.trailers = []
+            if self.streaming:
+                await self.send(message)
+            return
         await self._finish(message if self.streaming else None)
 
     def _keep(self, body: bytes) -> None:
@@ -425,7 +450,8 @@ class Responder:
         """Complete or release from the app's response, then send what is left of it.
 
         ``last`` is a stream's final body message (its start and earlier chunks were
-        sent as they came); ``None`` when the whole response is still held here.
+        sent as they came); ``None`` when the whole response is still held here, or
+        when the stream's final body went out and only its trailers are left.
         """
         self.state = _State.FINISHING
         self._stop_renewal()
@@ -448,7 +474,8 @@ class Responder:
                 problem = ResponseNotKept(_NOT_KEPT_DETAIL)
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
-                stored = StoredResponse(status, storable_headers(start.get("headers", [])), content)
+                headers = stored_headers(start.get("headers", []), self.trailers)
+                stored = StoredResponse(status, headers, content)
             if execution.tx is None:
                 # The effect happened: a store that fails to record it gets the
                 # completion again in the background, for the lease's life (README:
@@ -462,9 +489,11 @@ class Responder:
         send = self.send
         if last is not None:
             await send(last)
-            return
-        await send(start)
-        await send({"type": "http.response.body", "body": content, "more_body": False})
+        elif not self.streaming:
+            await send(start)
+            await send({"type": "http.response.body", "body": content, "more_body": False})
+        if self.trailers is not None:  # announced by the start: the stream ends with them
+            await send({"type": _TRAILERS, "headers": self.trailers, "more_trailers": False})
 
     async def _commit(self, stored: StoredResponse | None) -> bool:
         """Commit the handler's writes with the record (``stored``), or alone (``None``);
@@ -551,7 +580,10 @@ class Responder:
                     outcome=Outcome.REPLAYED.value,
                 )  # fmt: skip
             observer.outcome(route, Outcome.REPLAYED)
-            await send_replay(self.send, record.response, self.scope["headers"])
+            scope = self.scope
+            extensions = scope.get("extensions")
+            trailers = extensions is not None and _TRAILERS in extensions
+            await send_replay(self.send, record.response, scope["headers"], trailers=trailers)
         elif claim.outcome is ClaimOutcome.MISMATCH:
             if logger.isEnabledFor(logging.INFO):
                 self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)

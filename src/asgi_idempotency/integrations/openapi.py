@@ -42,7 +42,7 @@ _PROBLEM_REF = f"#/components/schemas/{PROBLEM_SCHEMA_NAME}"
 _PROBLEM_JSON = "application/problem+json"
 
 # The middleware's SAFE_METHODS, spelled again rather than imported: the middleware
-# imports this module, and importing it back would be a cycle. tests/test_openapi.py
+# imports this module, and importing it back would be a cycle. tests/integrations/test_openapi.py
 # checks that the two agree.
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # The keys of an OpenAPI Path Item that are operations ("query" is OpenAPI 3.2's);

@@ -28,26 +28,34 @@ __all__ = ["MARKER_TOKEN", "RegeneratedKeys", "marker_key"]
 MARKER_TOKEN = "regenerated-key-"  # 16 characters, and 16 hex digits: the column's 32
 
 
-def marker_key(host: str, principal: str, fingerprint: str) -> str:
-    """The marker's record key: SHA-256 of (host, principal, fingerprint), length-prefixed.
+def marker_key(host: str, principal: str, fingerprint: str, namespace: str = "") -> str:
+    """The marker's record key: SHA-256 of (host, principal, fingerprint, namespace),
+    length-prefixed.
 
-    Its material starts with ``r``, where a request's scoped key starts with a digit or
-    ``h`` and a function's with ``o`` (:func:`.keys.scoped_key`, :func:`.once.record_key`),
-    so a marker can never sit on a record's key, whatever the inputs.
+    Its material starts with ``r``, where a request's scoped key starts with a digit,
+    ``h`` or ``n`` and a function's with ``o`` (:func:`.keys.scoped_key`,
+    :func:`.once.record_key`), so a marker can never sit on a record's key, whatever
+    the inputs. Without a namespace the material is what it was before namespaces.
     """
     material = f"r{len(host)}:{host}\x00{len(principal)}:{principal}\x00{fingerprint}"
+    if namespace:
+        # After the fingerprint (a fixed-length digest): no other input can end there.
+        material = f"{material}\x00n{len(namespace)}:{namespace}"
     return hashlib.sha256(material.encode()).hexdigest()
 
 
 class RegeneratedKeys:
     """Looks up, in the shared store, whether this caller sent this request under another key."""
 
-    __slots__ = ("window",)
+    __slots__ = ("namespace", "window")
 
-    def __init__(self, window: timedelta) -> None:
+    def __init__(self, window: timedelta, *, namespace: str = "") -> None:
         if not isinstance(window, timedelta) or window <= timedelta(0):
             raise ValueError(f"the regenerated-key window must be a positive timedelta: {window!r}")
         self.window = window
+        # The guard's service: the same request to two services sharing a store is two
+        # requests, not one sent under two keys.
+        self.namespace = namespace
 
     def marker(self, *, host: str, principal: str, fingerprint: str, key: str,
                now: datetime) -> NewClaim:  # fmt: skip
@@ -56,8 +64,8 @@ class RegeneratedKeys:
         window. The runner writes it (:meth:`.execution.Runner.sighting`)."""
         window = self.window
         token = MARKER_TOKEN + os.urandom(8).hex()
-        return NewClaim(marker_key(host, principal, fingerprint), key, token, now,
-                        window, window)  # fmt: skip
+        where = marker_key(host, principal, fingerprint, self.namespace)
+        return NewClaim(where, key, token, now, window, window)
 
     async def check(
         self,

@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from asgi_idempotency import StoredResponse
 from asgi_idempotency.core import lifecycle
@@ -90,13 +90,22 @@ class StoreClock:
     On a store of one host (memory, SQLite, one's own dict) the store takes the caller's
     ``now``: this clock, moved at will, with leases of ``unit`` = 30 s. A store that
     declares a clock of its own (``Capabilities.own_clock``: Postgres, MariaDB, Redis)
-    decides on its own time, which only real time moves: ``unit`` is then one second,
-    and moving the clock is sleeping. Pass it as a middleware's or ``Once``'s ``clock``.
+    decides on its own time, which only real time moves: ``unit`` is then
+    ``StoreClock.shared_unit`` (one second), and moving the clock is sleeping. Pass it as
+    a middleware's or ``Once``'s ``clock``.
+
+    A suite whose stores answer within milliseconds (a loopback server) may set
+    ``StoreClock.shared_unit`` shorter, before its tests run: every lease, ttl and wait
+    of the contract on a shared store is a multiple of it, so the contract's sleeps
+    shrink with it. Too short for the store's round trips, and live leases run out
+    between two steps of a test: the tests fail, they never pass wrongly.
     """
+
+    shared_unit: ClassVar[timedelta] = timedelta(seconds=1)
 
     def __init__(self, store: Store) -> None:
         self.shared = capabilities(store).own_clock
-        self.unit = timedelta(seconds=1) if self.shared else timedelta(seconds=30)
+        self.unit = self.shared_unit if self.shared else timedelta(seconds=30)
         self.now = utcnow() if self.shared else datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
     def __call__(self) -> datetime:
