@@ -17,17 +17,15 @@ to do the same thing twice within the window looks the same.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Callable
-from contextlib import suppress
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import Protocol
 
 from asgi_idempotency.core.errors import StoreError
-from asgi_idempotency.stores.base import AuditableStore, PreparedStore, capabilities, utcnow
+from asgi_idempotency.ops.periodic import PeriodicTask
+from asgi_idempotency.stores.base import AuditableStore, capabilities, utcnow
 from asgi_idempotency.stores.duplicates import SuspectedDuplicate, extra_keys_by_route
 
 __all__ = [
@@ -101,14 +99,15 @@ class AuditSink(Protocol):
     def observe_audit(self, found: list[SuspectedDuplicate]) -> None: ...
 
 
-class AuditExporter:
+class AuditExporter(PeriodicTask):
     """Runs the audit every ``interval`` seconds and reports it to ``metrics``.
 
     With :class:`~asgi_idempotency.observability.prometheus.PrometheusMetrics` it sets the gauge
     ``idempotency_audit_suspected_regenerated_keys{route}``, which the shipped alert
     ``IdempotencyRegeneratedKeys`` reads. One exporter per deployment is enough (every
     worker sees the same records; the alert takes the maximum over instances). Use it
-    as an async context manager in the app's lifespan, like :class:`.retention.Pruner`.
+    as an async context manager in the app's lifespan, like :class:`.retention.Pruner`
+    (the loop is :class:`~asgi_idempotency.ops.periodic.PeriodicTask`'s).
 
     Args:
         store: a store that declares ``Capabilities.audit``.
@@ -135,10 +134,9 @@ class AuditExporter:
             raise TypeError(
                 f"{type(store).__name__} does not keep what the audit reads (Capabilities.audit)"
             )
-        self.store, self.metrics = store, metrics
+        super().__init__(store)
+        self.metrics = metrics
         self.interval, self.since, self.window, self.clock = interval, since, window, clock
-        self.runs = 0
-        self._task: asyncio.Task[None] | None = None
 
     async def run_once(self) -> list[SuspectedDuplicate]:
         found = await suspected_duplicates(
@@ -147,43 +145,14 @@ class AuditExporter:
         self.metrics.observe_audit(found)
         return found
 
-    async def _loop(self) -> None:
-        if isinstance(self.store, PreparedStore):
-            with suppress(StoreError):
-                await self.store.prepare()
-        while True:  # bounded by the context: stop() cancels it
-            try:
-                await self.run_once()
-            except Exception as exc:
-                logger.warning(
-                    "idempotency.audit_failed error=%s detail=%s -- the next run retries",
-                    type(exc).__name__,
-                    str(exc).replace("\n", " "),
-                    extra={"event": "idempotency.audit_failed", "error": type(exc).__name__},
-                    exc_info=not isinstance(exc, StoreError),
-                )
-            self.runs += 1
-            await asyncio.sleep(self.interval)
+    def failed(self, exc: Exception) -> None:
+        logger.warning(
+            "idempotency.audit_failed error=%s detail=%s -- the next run retries",
+            type(exc).__name__,
+            str(exc).replace("\n", " "),
+            extra={"event": "idempotency.audit_failed", "error": type(exc).__name__},
+            exc_info=not isinstance(exc, StoreError),
+        )
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="asgi-idempotency-audit")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> AuditExporter:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
+    def next_wait(self) -> float:
+        return self.interval

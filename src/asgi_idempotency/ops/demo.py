@@ -297,7 +297,8 @@ async def run_demo(url: str | None = None) -> int:
         guarded = await play_incident(guarded_url, guarded=True)
         print()
         unguarded = await play_incident(unguarded_url, guarded=False)
-    print(f"\nWith asgi-idempotency: {guarded} refund. Without: {unguarded} refunds.")
+    with_guard, without = (f"{n} refund{'' if n == 1 else 's'}" for n in (guarded, unguarded))
+    print(f"\nWith asgi-idempotency: {with_guard}. Without: {without}.")
     return 0 if (guarded, unguarded) == (1, 2) else 1
 
 

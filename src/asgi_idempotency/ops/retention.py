@@ -23,16 +23,15 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import TracebackType
 from typing import Any
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.lifecycle import RecordState, state
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
-from asgi_idempotency.stores.base import PreparedStore, RecordStatus, Store, utcnow
+from asgi_idempotency.ops.periodic import PeriodicTask
+from asgi_idempotency.stores.base import RecordStatus, Store, utcnow
 
 __all__ = [
     "ProgressFunc",
@@ -163,7 +162,7 @@ async def table_stats(store: Store, *, now: datetime | None = None) -> TableStat
     )
 
 
-class Pruner:
+class Pruner(PeriodicTask):
     """Prunes expired records every ``interval`` seconds in a background task.
 
     Use as an async context manager around the app's lifespan::
@@ -174,11 +173,12 @@ class Pruner:
                 yield
             await store.close()
 
-    The first run starts at once (deploys more frequent than ``interval`` still
-    prune); each later one after ``interval`` seconds, ±``jitter`` of it, so that
-    many workers spread out. A failed run is logged (``idempotency.prune_failed``)
-    and retried at the next interval; it never stops the loop or the app. The loop
-    ends when the context exits.
+    The loop is :class:`~asgi_idempotency.ops.periodic.PeriodicTask`'s (``start``,
+    ``stop``, ``wake``, ``runs``). The first run starts at once (deploys more frequent
+    than ``interval`` still prune); each later one after ``interval`` seconds,
+    ±``jitter`` of it, so that many workers spread out. A failed run is logged
+    (``idempotency.prune_failed``) and retried at the next interval; it never stops the
+    loop or the app. The loop ends when the context exits.
 
     Args:
         store: the store to prune; the pruner neither opens nor closes it.
@@ -202,17 +202,15 @@ class Pruner:
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
-        self.store = store
+        super().__init__(store)
+        self.store: Store = store
         self.interval = interval
         self.batch_size = batch_size
         self.pause = pause
         self.max_batches = max_batches
         self.jitter = jitter
         self.clock = clock
-        self.runs = 0  # completed runs, failed or not (for tests and health checks)
         self.pruned = 0  # rows deleted since start
-        self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
 
     async def run_once(self) -> int:
         """One complete prune at the current time; returns how many rows went."""
@@ -235,60 +233,20 @@ class Pruner:
             )
         return deleted
 
-    async def _loop(self) -> None:
-        if isinstance(self.store, PreparedStore):
-            # In the app's own lifespan the pruner starts before the middleware prepares
-            # the store: on the SQLite default the table may not exist yet. Preparing is
-            # idempotent and safe beside the middleware's; a failure shows in the run.
-            with suppress(StoreError):
-                await self.store.prepare()
-        while True:  # bounded by the context: stop() cancels it
-            try:
-                await self.run_once()
-            except Exception as exc:
-                # The reason on the line itself: with plain logging, the fields in
-                # ``extra`` are not printed. Store messages name no key or body.
-                logger.warning(
-                    "idempotency.prune_failed error=%s detail=%s -- the next run retries; "
-                    "check that the store is reachable",
-                    type(exc).__name__,
-                    str(exc).replace("\n", " "),
-                    extra={"event": "idempotency.prune_failed", "error": type(exc).__name__},
-                    exc_info=not isinstance(exc, StoreError),
-                )
-            self.runs += 1
-            wait = self.interval * random.uniform(1 - self.jitter, 1 + self.jitter)
-            self._wake.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+    def failed(self, exc: Exception) -> None:
+        # The reason on the line itself: with plain logging, the fields in ``extra`` are
+        # not printed. Store messages name no key or body.
+        logger.warning(
+            "idempotency.prune_failed error=%s detail=%s -- the next run retries; "
+            "check that the store is reachable",
+            type(exc).__name__,
+            str(exc).replace("\n", " "),
+            extra={"event": "idempotency.prune_failed", "error": type(exc).__name__},
+            exc_info=not isinstance(exc, StoreError),
+        )
 
-    def wake(self) -> None:
-        """Start the next run now instead of at the end of the interval."""
-        self._wake.set()
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="asgi-idempotency-pruner")
-
-    async def stop(self) -> None:
-        """Cancel the loop (an in-flight batch is abandoned; its statement is atomic)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> Pruner:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
+    def next_wait(self) -> float:
+        return self.interval * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
 class PruningMiddleware:

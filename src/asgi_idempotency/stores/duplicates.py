@@ -10,7 +10,7 @@ index, or a secondary structure) and hand them to :func:`group_sightings`, the o
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -38,6 +38,10 @@ class SuspectedDuplicate:
     keys: int  # distinct keys among them (at least 2)
     first: datetime
     last: datetime
+    # The run's records' keys (scoped key digests, 64 hex), oldest first: what
+    # ``asgi-idempotency inspect`` takes to show each record. A listing, not part of
+    # what the run is: left out of equality.
+    key_digests: tuple[str, ...] = field(default=(), compare=False)
 
 
 def group_sightings(sightings: Iterable[Sighting], window: timedelta) -> list[SuspectedDuplicate]:
@@ -56,12 +60,12 @@ def group_sightings(sightings: Iterable[Sighting], window: timedelta) -> list[Su
     run: list[Sighting] = []
 
     def close() -> None:
-        keys = {s.key for s in run}
+        keys = tuple(dict.fromkeys(s.key for s in run))  # distinct, oldest first
         if len(keys) > 1:
             head = run[0]
             found.append(SuspectedDuplicate(head.route, head.scope_digest, head.request_hash,
                                             len(run), len(keys), head.created_at,
-                                            run[-1].created_at))  # fmt: skip
+                                            run[-1].created_at, keys))  # fmt: skip
 
     for sighting in ordered:
         if run:

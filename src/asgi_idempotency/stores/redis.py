@@ -177,12 +177,16 @@ _FIELDS = ("h", "s", "t", "c", "l", "e", "rs", "rh", "rb")
 # digest, in the same script: ARGV[first] is the index's key (a sorted set in the
 # record's own cluster slot: RedisStore._audit_key), ARGV[first + 1] the member
 # "<scoped key> <scope digest> <request hash> <route>". Scored by the claim's
-# expires_at: members past it are trimmed here, and the set's TTL is at least the
-# record's, so the index lives as long as what it points to and no longer.
+# expires_at plus its lease: members past it are trimmed here, and the set's TTL is at
+# least the record's plus the lease. A completion restarts the record's retention from
+# its own time (within the lease, unless renewed), so an index kept only as long as the
+# claim's retention would end before the record it points to.
 _AUDIT = """local a, m = ARGV[{first}], ARGV[{first} + 1]
+  local ae = string.format('%d', tonumber(e) + tonumber(lease))
+  local attl = math.ceil((tonumber(ttl_us) + tonumber(lease)) / 1000)
   redis.call('ZREMRANGEBYSCORE', a, '-inf', '(' .. c)
-  redis.call('ZADD', a, e, m)
-  if redis.call('PTTL', a) < tonumber(ttl) then redis.call('PEXPIRE', a, ttl) end"""
+  redis.call('ZADD', a, ae, m)
+  if redis.call('PTTL', a) < attl then redis.call('PEXPIRE', a, string.format('%d', attl)) end"""
 
 # A claim travels as ONE argument, "lease_us ttl_us #h h token"
 # (_claim_args): each argument is a round of redis-py's encoding and packing (several

@@ -49,12 +49,15 @@ async def check_app(
     hold: float = 0.25,
     fail_header: tuple[str, str] | None = None,
     request_timeout: float = 30.0,
+    expect_wait: bool = False,
 ) -> CheckReport:
     """Run every check against ``path`` of the ASGI ``app``, in this event loop.
 
     The arguments mirror ``asgi-idempotency check``'s options (paths instead of URLs:
     ``count_path`` answers ``GET`` with the number of effects, ``slow_path`` runs
-    longer than ``hold`` seconds; ``request_timeout`` is seconds per request). ``json``
+    longer than ``hold`` seconds; ``request_timeout`` is seconds per request;
+    ``expect_wait`` for a route with ``Policy(wait=...)``: its in-flight check is
+    ``in-flight-wait``, expecting the duplicate to wait for the first's answer). ``json``
     is serialised compactly; ``data`` is sent as is. The app's lifespan is not run:
     start what it needs around the call.
     Returns the report; raises ``ValueError`` for options out of range.
@@ -88,6 +91,7 @@ async def check_app(
         hold=hold,
         fail_header=fail_header,
         timeout=request_timeout,
+        expect_wait=expect_wait,
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url=_BASE) as client:
