@@ -95,7 +95,7 @@ class PreparedStore(Protocol):
         ...
 
 
-def _itself(exc: BaseException) -> bool:
+def _never(exc: BaseException) -> bool:
     return False
 
 
@@ -120,7 +120,7 @@ class StoreBase:
     """
 
     capabilities: Capabilities = Capabilities()
-    errors: ErrorBoundary = ErrorBoundary((), _itself)  # nothing is a driver's failure
+    errors: ErrorBoundary = ErrorBoundary((), _never)  # nothing is a driver's failure
     # The loop this store's connections belong to, and what closes them on it; None
     # until the store first serves (an instance's own, once bound).
     _loop: asyncio.AbstractEventLoop | None = None
