@@ -1,5 +1,7 @@
 """The lab (bench/) apart from the library and its tests; no import circle in the lab or in
-the library, whose top shows its roles as folders."""
+the library (``TYPE_CHECKING`` imports included), whose top shows its roles as folders, on
+floors: core < stores, observability < http, functions < integrations < ops; the core
+imports nothing above it, and at most :data:`MAX_UPWARD` imports climb a floor."""
 
 from __future__ import annotations
 
@@ -44,39 +46,62 @@ def test_the_lab_has_no_import_circle() -> None:
     assert not circles, f"bench modules on an import circle: {circles}"
 
 
-def _src_graph() -> dict[str, set[str]]:
-    """Each module of the package and the modules of the package it imports, at any
-    level of the file except under ``if TYPE_CHECKING:`` (a function-level import is
-    still an arrow: it only hides the circle until the call)."""
-    pkg = ROOT / "src" / "asgi_idempotency"
+PACKAGE = ROOT / "src" / "asgi_idempotency"
+
+# The floors of the house, lowest first: a folder imports its own floor and the ones
+# below. client/, testing/ and the migrations stand beside the house, not in it.
+LAYERS = {
+    "core": 0,
+    "stores": 1,
+    "observability": 1,
+    "http": 2,
+    "functions": 2,
+    "integrations": 3,
+    "ops": 4,
+}
+# Imports that still climb a floor, counted per import statement: at most this many.
+MAX_UPWARD = 4
+
+
+def _module_names() -> dict[str, Path]:
     names: dict[str, Path] = {}
-    for path in pkg.rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(ROOT / "src").with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
         names[".".join(parts)] = path
+    return names
+
+
+def _import_statements(path: Path, module: str) -> list[tuple[int, list[str]]]:
+    """Each import statement of the file, at any level, ``TYPE_CHECKING`` blocks and
+    function bodies included (a type is an arrow too; a function-level import only
+    hides a circle until the call): its line and the absolute names it imports."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.append((node.lineno, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            found.append((node.lineno, [base, *(f"{base}.{a.name}" for a in node.names)]))
+    return found
+
+
+def _src_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports."""
+    names = _module_names()
 
     def imported(path: Path, module: str) -> set[str]:
-        tree = ast.parse(path.read_text())
-        skip: set[int] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                skip.update(id(n) for b in node.body for n in ast.walk(b))
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skip or not isinstance(node, ast.ImportFrom | ast.Import):
-                continue
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")
-                    up = up[: len(up) - (node.level - 1)]
-                    base = ".".join([*up, base] if base else up)
-                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
-            found.update(t for t in targets if t in names and t != module)
-        return found
+        return {
+            t
+            for _, targets in _import_statements(path, module)
+            for t in targets
+            if t in names and t != module
+        }
 
     graph = {name: imported(path, name) for name, path in names.items()}
     # A package imports its own modules to re-export them: not an arrow back up.
@@ -88,6 +113,47 @@ def _src_graph() -> dict[str, set[str]]:
         }
         for name, targets in graph.items()
     }
+
+
+def _folder(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "asgi_idempotency" else None
+
+
+def _upward_imports() -> list[str]:
+    """Import statements from a folder of the house to a folder on a higher floor."""
+    climbs: list[str] = []
+    for module, path in sorted(_module_names().items()):
+        here = _folder(module)
+        if here is None or here not in LAYERS or path.parent == PACKAGE:
+            continue
+        for line, targets in _import_statements(path, module):
+            floors = {f for f in map(_folder, targets) if f is not None and f in LAYERS}
+            climbs.extend(
+                f"{path.relative_to(PACKAGE)}:{line} {here} -> {there}"
+                for there in sorted(floors)
+                if LAYERS[there] > LAYERS[here]
+            )
+    return climbs
+
+
+def test_the_core_imports_nothing_above_it() -> None:
+    # The ground floor: the store protocol, the policy it runs under and the observer
+    # it reports to are the core's own protocols; nothing of the package above it.
+    for module, path in sorted(_module_names().items()):
+        if _folder(module) != "core":
+            continue
+        for line, targets in _import_statements(path, module):
+            above = {t for t in targets if t.startswith("asgi_idempotency.")}
+            above -= {t for t in above if _folder(t) == "core"}
+            assert not above, f"{path.relative_to(PACKAGE)}:{line} imports {sorted(above)}"
+
+
+def test_few_imports_climb_a_floor() -> None:
+    climbs = _upward_imports()
+    assert len(climbs) <= MAX_UPWARD, "imports from a lower floor to a higher one:\n" + (
+        "\n".join(climbs)
+    )
 
 
 def test_the_library_has_no_import_circle() -> None:

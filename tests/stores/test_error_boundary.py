@@ -11,7 +11,10 @@ from sqlalchemy import text
 
 from asgi_idempotency import IdempotencyError, SchemaMissing, SQLStore, StoreError
 from asgi_idempotency.stores.base import NewClaim, utcnow
-from asgi_idempotency.stores.sql.errors import MYSQL_ERRORS, PG_ERRORS, SQLITE_ERRORS, ErrorBoundary
+from asgi_idempotency.stores.errors import ErrorBoundary
+from asgi_idempotency.stores.sql.mysql import MYSQL_ERRORS
+from asgi_idempotency.stores.sql.postgres import PG_ERRORS
+from asgi_idempotency.stores.sql.sqlite import SQLITE_ERRORS
 
 SQL_KINDS = [
     "sqlite",

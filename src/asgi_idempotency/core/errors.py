@@ -33,7 +33,9 @@ Three roots, for three audiences: ``IdempotencyError`` s are HTTP answers, sent 
 problems; a :class:`StoreError` is the infrastructure failing, raised to whoever called
 the store (only the responder turns it into :class:`StoreUnavailable`); an
 :class:`OnceError` is raised to a caller in the same process, never rendered as HTTP.
-``detail`` is what any client may read; ``str(exc)`` is for the server's log (for a
+Each error renders its own problem document (``body()``, ``headers()``); sending it is
+HTTP's (:func:`asgi_idempotency.http.problems.send_problem`), so nothing here imports
+ASGI. ``detail`` is what any client may read; ``str(exc)`` is for the server's log (for a
 store error, the driver's reason, which may name the host, database and user).
 """
 
@@ -43,8 +45,6 @@ import math
 import re
 
 import orjson
-
-from asgi_idempotency.http.asgi import Send, send_response
 
 __all__ = [
     "AppNotStarted",
@@ -111,10 +111,6 @@ class IdempotencyError(Exception):
         if self.no_store:
             headers.append((b"cache-control", b"no-store"))
         return headers
-
-    async def send(self, send: Send) -> None:
-        """Answer the request with this problem."""
-        await send_response(send, self.status, self.headers(), self.body())
 
 
 class MissingKey(IdempotencyError):

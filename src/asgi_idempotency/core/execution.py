@@ -29,18 +29,15 @@ import os
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.keys import MAX_ROUTE_LENGTH
 from asgi_idempotency.core.lease import LeaseRenewals, Renewal, complete_later
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
-from asgi_idempotency.core.terms import Terms
-from asgi_idempotency.core.waiting import POLL_MAX, Waiters
-from asgi_idempotency.observability import tracing
-from asgi_idempotency.observability.observer import Observer
-from asgi_idempotency.stores.base import (
+from asgi_idempotency.core.observing import Observing
+from asgi_idempotency.core.store import (
     NewClaim,
     Store,
     StoredResponse,
@@ -48,10 +45,15 @@ from asgi_idempotency.stores.base import (
     TransactionalStore,
     capabilities,
 )
+from asgi_idempotency.core.terms import Terms
+from asgi_idempotency.core.waiting import POLL_MAX, Waiters
 
 __all__ = ["Execution", "Executor", "Runner"]
 
 T = TypeVar("T")
+# The observer the adapter passes in: the core calls only what Observing says; the adapter
+# keeps its own type (the HTTP one counts outcomes too).
+_Observer = TypeVar("_Observer", bound=Observing)
 
 
 class Execution:
@@ -93,7 +95,7 @@ class Execution:
         return self.claim is not None and self.claim.owned
 
 
-class Runner:
+class Runner(Generic[_Observer]):
     """What every execution of one guard shares: the store, the clock and the settings."""
 
     __slots__ = ("background", "clock", "fail_open", "observer", "renewals", "retry_after",
@@ -106,7 +108,7 @@ class Runner:
         clock: Callable[[], datetime],
         fail_open: bool,
         retry_after: float,
-        observer: Observer,
+        observer: _Observer,
     ) -> None:
         self.store, self.clock = store, clock
         self.fail_open, self.retry_after, self.observer = fail_open, retry_after, observer
@@ -174,7 +176,7 @@ class Runner:
                 waited_s=round((now - began).total_seconds(), 3),
             )  # fmt: skip
             if span is not None:
-                tracing.annotate(span, waited=True)
+                self.observer.annotate(span, waited=True)
         if not claim.owned:
             return Execution(claim, now, key, "", route, terms)
         self._taken_over(claim, route, key, span)
@@ -224,7 +226,7 @@ class Runner:
             self.observer.log(logging.WARNING, "idempotency.takeover", route, key,
                               outcome="taken_over")  # fmt: skip
             if span is not None:
-                tracing.annotate(span, taken_over=True)
+                self.observer.annotate(span, taken_over=True)
             self.observer.takeover(route)
 
     async def _claim_as(

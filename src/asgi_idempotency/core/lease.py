@@ -17,8 +17,8 @@ from typing import Protocol
 
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import StoreError
-from asgi_idempotency.observability.observer import Observer
-from asgi_idempotency.stores.base import RecordStatus, Store, StoredResponse
+from asgi_idempotency.core.observing import Observing
+from asgi_idempotency.core.store import RecordStatus, Store, StoredResponse
 
 __all__ = ["LeaseRenewal", "LeaseRenewals", "Renewal", "complete_later"]
 
@@ -44,7 +44,7 @@ class LeaseRenewal:
         lease: timedelta,
         every: float,
         clock: Callable[[], datetime],
-        observer: Observer,
+        observer: Observing,
         route: str,
     ) -> None:
         self._store, self._key, self._token = store, key, token
@@ -142,7 +142,7 @@ class LeaseRenewals:
 
     __slots__ = ("_clock", "_loop", "_observer", "_queues", "_store", "running")
 
-    def __init__(self, store: Store, *, clock: Callable[[], datetime], observer: Observer) -> None:
+    def __init__(self, store: Store, *, clock: Callable[[], datetime], observer: Observing) -> None:
         self._store, self._clock, self._observer = store, clock, observer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[float, _Queue] = {}  # by renewal interval
@@ -200,7 +200,7 @@ class LeaseRenewals:
 
 
 async def complete_later(
-    store: Store, renewals: LeaseRenewals, observer: Observer, key: str, token: str,
+    store: Store, renewals: LeaseRenewals, observer: Observing, key: str, token: str,
     stored: StoredResponse, now: datetime, *, ttl: timedelta, lease: timedelta, every: float,
     route: str,
 ) -> None:  # fmt: skip

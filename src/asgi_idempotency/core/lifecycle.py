@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from typing import Literal, NamedTuple, Protocol
 
 from asgi_idempotency.core.errors import StoreError
-from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus
+from asgi_idempotency.core.store import BUSY, Busy, NewClaim, Record, RecordStatus
 
 __all__ = [
     "Claim",

@@ -16,7 +16,7 @@ from datetime import datetime
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
-from asgi_idempotency.stores.base import Record
+from asgi_idempotency.core.store import Record
 
 __all__ = ["POLL_FIRST", "POLL_MAX", "Waiters"]
 

@@ -39,6 +39,7 @@ from asgi_idempotency.http.policy import (
     normalise_policies,
 )
 from asgi_idempotency.http.principals import DependencyPrincipal, PrincipalFunc
+from asgi_idempotency.http.problems import send_problem
 from asgi_idempotency.http.readiness import Readiness
 from asgi_idempotency.http.request import guard_headers, host_scope, read_body, replay_body
 from asgi_idempotency.http.responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
@@ -479,7 +480,7 @@ class IdempotencyMiddleware:
             body = await read_body(receive, _UNLIMITED if report else limit, declared_length)
         except BodyTooLarge as exc:
             observe(route, Outcome.TOO_LARGE)
-            await exc.send(send)
+            await send_problem(send, exc)
             return None
         if body is None:
             return None  # the client left while sending its body: nothing ran, nothing to answer
@@ -490,7 +491,7 @@ class IdempotencyMiddleware:
                 # Refused in every mode: a forged delivery is no rollout choice, and its
                 # body was never the sender's.
                 observe(route, Outcome.INVALID_SIGNATURE)
-                await exc.send(send)
+                await send_problem(send, exc)
                 return None
             except IdempotencyError as exc:
                 observe(route, Outcome.INVALID_KEY)
@@ -524,7 +525,7 @@ class IdempotencyMiddleware:
     ) -> None:
         """Answer ``exc``; in report mode run the app instead and say what it would have been."""
         if guard.policy.mode != "report":
-            await exc.send(send)
+            await send_problem(send, exc)
             return
         self._observer.report(guard.route, "", exc.status)
         await self._unguarded(guard, scope, receive, send)

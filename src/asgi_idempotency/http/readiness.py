@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from asgi_idempotency.core.errors import SchemaMissing, StoreError, StoreUnavailable
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
+from asgi_idempotency.http.problems import send_problem
 from asgi_idempotency.observability.metrics import Outcome
 from asgi_idempotency.observability.observer import Observer
 from asgi_idempotency.stores.base import PreparedStore, Store
@@ -75,7 +76,7 @@ class Readiness:
             return False
         # Always 503, fail_open or not: a missing schema is a deployment step left
         # out, not an outage, and running unguarded would hide it.
-        await StoreUnavailable(missing.detail, retry_after=self.retry_after).send(send)
+        await send_problem(send, StoreUnavailable(missing.detail, retry_after=self.retry_after))
         return False
 
     async def _run_prepare(self) -> None:

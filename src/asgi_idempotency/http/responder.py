@@ -52,6 +52,7 @@ from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
 from asgi_idempotency.http.capture import send_replay, stored_headers
 from asgi_idempotency.http.policy import Policy
+from asgi_idempotency.http.problems import send_problem
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import Outcome
 from asgi_idempotency.observability.observer import Observer, logger
@@ -229,7 +230,7 @@ class Responder:
             self.state = _State.UNGUARDED
             return True
         self.state = _State.ANSWERED
-        await exc.send(self.send)
+        await send_problem(self.send, exc)
         return False
 
     async def claim_deferred(self, principal: str) -> bool:
@@ -513,11 +514,12 @@ class Responder:
             observer.store_error(self.req.route, self.req.key, "commit", exc,
                                  outcome=unavailable.value)  # fmt: skip
             observer.outcome(self.req.route, unavailable)
-            await StoreUnavailable(
+            unanswered = StoreUnavailable(
                 "The request's changes could not be committed; retry with the same "
                 "Idempotency-Key.",
                 retry_after=runner.retry_after,
-            ).send(self.send)
+            )
+            await send_problem(self.send, unanswered)
             return False
         return True
 
@@ -541,11 +543,12 @@ class Responder:
             self.state = _State.UNGUARDED  # the app runs, its answer passes straight through
             return
         self.state = _State.ANSWERED
-        await StoreUnavailable(
+        problem = StoreUnavailable(
             "The idempotency store is unavailable and the request was not processed; "
             "retry with the same Idempotency-Key.",
             retry_after=runner.retry_after,
-        ).send(self.send)
+        )
+        await send_problem(self.send, problem)
 
     def _report_existing(self, claim: Claim) -> None:
         """Report-only mode: count and log what :meth:`_answer_existing` would have sent."""
@@ -585,11 +588,11 @@ class Responder:
             if logger.isEnabledFor(logging.INFO):
                 self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
             observer.outcome(route, Outcome.MISMATCH)
-            await KeyMismatch(_MISMATCH_DETAIL).send(self.send)
+            await send_problem(self.send, KeyMismatch(_MISMATCH_DETAIL))
         else:
             wait = self.runner.in_progress_wait(execution)
             observer.outcome(route, Outcome.IN_PROGRESS)
-            await RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait).send(self.send)
+            await send_problem(self.send, RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait))
 
 
 class GuardAnswered(Exception):

@@ -13,7 +13,7 @@ startup or on its first request. Nothing here imports FastAPI; an app without an
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -32,9 +32,6 @@ from asgi_idempotency.core.errors import (
 from asgi_idempotency.core.keys import MAX_KEY_LENGTH
 from asgi_idempotency.http.policy import Policy, ResolvedRoute, expand_routes, sub_app_route
 from asgi_idempotency.http.principals import ANONYMOUS, DependencyPrincipal
-
-if TYPE_CHECKING:
-    from asgi_idempotency.http.middleware import IdempotencyMiddleware
 
 __all__ = ["PROBLEM_SCHEMA_NAME", "GuardOf", "apply_to_schema", "guard_of_for", "install_openapi"]
 
@@ -73,6 +70,20 @@ class GuardOf(Protocol):
     """
 
     def __call__(self, method: str, template: str, /) -> Policy | None: ...
+
+
+class Guard(Protocol):
+    """What :func:`guard_of_for` reads of the guard (``IdempotencyMiddleware`` is one):
+    who its callers are, and its own decision for a request. A protocol, not the
+    middleware's class: the middleware installs this module's schema, and this module
+    never imports the middleware back."""
+
+    @property
+    def principal(self) -> object: ...
+
+    def guard_for(self, method: str, resolved: ResolvedRoute | None, path: str) -> Policy | None:
+        """How a request of ``method`` to ``resolved`` (at ``path``) is guarded, or ``None``."""
+        ...
 
 
 def install_openapi(app: Any, guard_of: GuardOf) -> bool:
@@ -151,7 +162,7 @@ def apply_to_schema(schema: dict[str, Any], guard_of: GuardOf) -> dict[str, Any]
     return schema
 
 
-def guard_of_for(middleware: IdempotencyMiddleware, app: Any) -> GuardOf:
+def guard_of_for(middleware: Guard, app: Any) -> GuardOf:
     """The middleware's own answer, per operation of ``app``'s router.
 
     Decides as the middleware does per request: its ``policies`` by
@@ -173,7 +184,7 @@ class _MiddlewareGuardOf:
 
     __slots__ = ("index", "middleware")
 
-    def __init__(self, middleware: IdempotencyMiddleware, index: _RouteIndex) -> None:
+    def __init__(self, middleware: Guard, index: _RouteIndex) -> None:
         self.middleware, self.index = middleware, index
 
     def __call__(self, method: str, template: str, /) -> Policy | None:

@@ -134,7 +134,11 @@ class _Timed:
 
 
 class Observer:
-    """Counts and logs for one middleware; shared by all of its requests."""
+    """Counts and logs for one middleware; shared by all of its requests.
+
+    Satisfies the core's :class:`~asgi_idempotency.core.observing.Observing`: the
+    execution core and the lease renewals log, time and trace through it.
+    """
 
     __slots__ = ("_not_ready_said", "counts", "sink", "store_label", "timing")
 
@@ -154,6 +158,11 @@ class Observer:
 
     def store_time(self, operation: str, seconds: float) -> None:
         self.sink.observe_store(operation, self.store_label, seconds)  # type: ignore[union-attr]
+
+    def annotate(self, span: Any, /, **attributes: str | bool) -> None:
+        """Set ``idempotency.<name>`` attributes on ``span`` (:func:`.tracing.annotate`):
+        how the core, which imports no tracing, marks the request's span."""
+        tracing.annotate(span, **attributes)
 
     def takeover(self, route: str) -> None:
         """A retry took over an abandoned claim (its holder's lease ran out)."""

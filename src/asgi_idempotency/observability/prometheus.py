@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
 from asgi_idempotency._extras import missing_extra
-from asgi_idempotency.http.asgi import ASGIApp
 from asgi_idempotency.observability.metrics import Outcome
-from asgi_idempotency.ops.audit import extra_keys_by_route
 
 try:
     from prometheus_client import (
@@ -45,6 +44,8 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise missing_extra(__name__, "prometheus-client", "prometheus") from exc
+
+from asgi_idempotency.stores.duplicates import extra_keys_by_route
 
 if TYPE_CHECKING:
     from asgi_idempotency.stores.duplicates import SuspectedDuplicate

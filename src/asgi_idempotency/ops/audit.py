@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Protocol
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.ops.periodic import PeriodicTask
 from asgi_idempotency.stores.base import AuditableStore, capabilities, utcnow
-from asgi_idempotency.stores.duplicates import SuspectedDuplicate
+from asgi_idempotency.stores.duplicates import SuspectedDuplicate, extra_keys_by_route
 
 __all__ = [
     "DEFAULT_SINCE",
@@ -91,15 +91,6 @@ async def suspected_duplicates(
         )
     start = (utcnow() if now is None else now) - since
     return await store.suspected_duplicates(since=start, window=window, route=route)
-
-
-def extra_keys_by_route(found: Iterable[SuspectedDuplicate]) -> dict[str, int]:
-    """Per route, the requests that repeated one of the same run under another key (each
-    run's keys but its first): the likely extra executions."""
-    extra: dict[str, int] = {}
-    for run in found:
-        extra[run.route] = extra.get(run.route, 0) + run.keys - 1
-    return extra
 
 
 class AuditSink(Protocol):

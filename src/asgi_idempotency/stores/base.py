@@ -1,23 +1,45 @@
-"""The store protocol: records and the atomic, token-fenced primitives every store offers.
+"""The store base: what every store declares beyond the protocol, and the protocol's
+names where stores have always imported them.
 
-Stores decide nothing: what a row means for a new request, and whether a response
-completes or releases a key, is :mod:`asgi_idempotency.core.lifecycle`. A store only
-inserts, compares-and-swaps, updates and deletes rows atomically, and reports what
-it found. Every method raises :class:`~asgi_idempotency.StoreError` on failure.
+:class:`StoreBase` is what our stores are built on: the capabilities they declare,
+the error boundary their driver declares, and the connections they hold per event
+loop, bound in one place.
+
+The protocol itself (:class:`Store`, :class:`Record`, :class:`NewClaim` ...) is the
+core's (:mod:`asgi_idempotency.core.store`): the core runs on it and imports nothing
+above it. It is re-exported here, so ``asgi_idempotency.stores.base.X`` keeps working.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Protocol, runtime_checkable
 
 from asgi_idempotency.core.errors import StoreError
+from asgi_idempotency.core.store import BUSY as BUSY
+from asgi_idempotency.core.store import STATUS_OF as STATUS_OF
+from asgi_idempotency.core.store import (
+    Bucket,
+    Capabilities,
+    NewClaim,
+    Record,
+    RecordStatus,
+    Store,
+    StoredResponse,
+    StoreTransaction,
+    TransactionalStore,
+    capabilities,
+    utcnow,
+)
+from asgi_idempotency.core.store import Busy as Busy
 from asgi_idempotency.stores.duplicates import SuspectedDuplicate
+from asgi_idempotency.stores.errors import ErrorBoundary
+from asgi_idempotency.stores.loops import LoopTenure
 
+# Re-exported too, not public: BUSY, Busy and STATUS_OF, where the stores find them.
+# StoreBase is the package's stores' base, not a public name.
 __all__ = [
     "AuditableStore",
     "Bucket",
@@ -34,227 +56,6 @@ __all__ = [
     "capabilities",
     "utcnow",
 ]
-
-
-# The default clock: the current aware UTC time, with no Python frame of its own.
-utcnow = functools.partial(datetime.now, UTC)
-
-
-class RecordStatus(enum.StrEnum):
-    IN_PROGRESS = "in_progress"
-    COMPLETED = "completed"
-
-
-# A row's status column to its member: a dict lookup, where RecordStatus(value) is a call.
-STATUS_OF = {status.value: status for status in RecordStatus}
-
-
-# Record, StoredResponse (and lifecycle.Claim) are NamedTuples, like NewClaim, not
-# frozen dataclasses: every replay builds one of each, and a frozen dataclass's
-# __init__ sets each field through object.__setattr__, several times the cost of
-# building a tuple. Immutable either way.
-class StoredResponse(NamedTuple):
-    """A captured response: replayed byte for byte."""
-
-    status: int
-    headers: tuple[tuple[bytes, bytes], ...]
-    body: bytes
-
-
-class Record(NamedTuple):
-    """One row of ``idempotency_records``."""
-
-    key: str
-    request_hash: str
-    status: RecordStatus
-    token: str
-    created_at: datetime
-    locked_until: datetime
-    expires_at: datetime
-    response: StoredResponse | None = None
-    # The store's own time when it read the row, where the store is shared and read
-    # it (Postgres and MariaDB/MySQL always; Redis with the row in an insert's way):
-    # the row's deadlines are judged at it, never at the caller's clock. ``None`` from
-    # a store on one host (memory, SQLite): judged at the caller's ``now``.
-    read_at: datetime | None = None
-
-
-class Busy(enum.Enum):
-    """A transactional store's answer when another transaction holds the key's lock."""
-
-    BUSY = "busy"
-
-
-BUSY = Busy.BUSY
-
-
-class NewClaim(NamedTuple):
-    """A fresh in-progress claim, as ``insert`` and ``replace`` write it.
-
-    The lease and the retention are durations: the store adds them to its own time
-    (``created_at``, ``locked_until = created_at + lease``, ``expires_at =
-    created_at + ttl``), so that hosts whose clocks disagree agree on every lease.
-    """
-
-    key: str  # the scoped key: sha256 hex of (principal, client key)
-    request_hash: str
-    token: str  # fences complete/release/renew to this claim
-    now: datetime  # the caller's clock: the time of a store on one host (memory, SQLite)
-    lease: timedelta
-    ttl: timedelta  # never shorter than lease (lifecycle.claim sees to it)
-    # What the audit groups by (:mod:`.duplicates`), written with the claim at no extra
-    # round trip: a digest of the caller (host and principal, :func:`.keys.scope_digest`)
-    # and the route template. None for claims that are not HTTP requests.
-    scope_digest: str | None = None
-    route: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """Rows grouped by status and by which side of ``now`` their two deadlines fall.
-
-    What a bucket *means* (live, expired, abandoned) is the lifecycle's to say.
-    """
-
-    status: RecordStatus
-    expired: bool  # expires_at <= now
-    lease_over: bool  # locked_until <= now
-    count: int
-    oldest_created_at: datetime | None
-
-
-class Capabilities(NamedTuple):
-    """What a store offers beyond the primitives every store has, declared by the store.
-
-    A store declares them as its ``capabilities`` attribute; :func:`capabilities` reads
-    them, so that callers ask one question instead of testing types.
-    """
-
-    # Holds the claim, the handler's writes and the record in one transaction
-    # (:class:`TransactionalStore`, ``Policy(transactional=True)``).
-    transactions: bool = False
-    # Sends operations that arrive while one is in flight together (this instance).
-    batching: bool = False
-    # ``buckets`` and ``count_expired`` answer: ``asgi-idempotency stats`` refuses a
-    # store without them (exit 2, saying so).
-    stats: bool = True
-    # Expired records stay until ``prune`` deletes them, so a prune job is needed (the
-    # CLI's ``prune``, :class:`~asgi_idempotency.ops.retention.Pruner`). False: the store
-    # deletes them itself when their retention ends (Redis: the key's TTL), and
-    # ``asgi-idempotency prune`` says there is nothing to prune.
-    prune: bool = True
-    # Records live in a schema that ``asgi-idempotency migrate`` creates and upgrades
-    # (the SQL stores); False: ``migrate`` says there is nothing to migrate.
-    migrations: bool = False
-    # ``suspected_duplicates`` answers (``asgi-idempotency audit``, its gauge): the
-    # store keeps each claim's scope digest and route where the audit can find them.
-    audit: bool = False
-    # Leases, take-overs, renewals, completion and expiry are decided on the store's own
-    # clock (a shared database's or Redis's time), whatever ``now`` a caller passes; the
-    # caller's clock decides on a store of one host (memory, SQLite).
-    own_clock: bool = False
-
-
-def capabilities(store: object) -> Capabilities:
-    """What ``store`` declares; for a store of one's own that declares nothing, the
-    primitives alone, with transactions if it is a :class:`TransactionalStore` that
-    says it can open them."""
-    declared = getattr(store, "capabilities", None)
-    if isinstance(declared, Capabilities):
-        return declared
-    return Capabilities(
-        transactions=isinstance(store, TransactionalStore)
-        and store.transactions_unavailable is None
-    )
-
-
-@runtime_checkable
-class Store(Protocol):
-    """Atomic primitives over records keyed by the scoped key (a sha256 hex digest).
-
-    ``insert`` and ``replace`` write a fresh in-progress claim; ``complete``,
-    ``release`` and ``renew`` are fenced by the claim's ``token``, so a stale owner
-    never changes a row it lost.
-
-    Leases and retention are decided on the store's clock: a store shared by several
-    hosts (Postgres, MariaDB/MySQL, Redis) computes every deadline from its own time
-    inside the statement or script, given the lease or ttl as a duration, compares
-    with its own time, and reports that time with the rows it reads
-    (:attr:`Record.read_at`), so that a host whose clock is ahead never takes over a
-    live claim and one behind never waits past a dead one. A store on one host
-    (memory, SQLite) takes the caller's ``now`` as its clock, which keeps tests'
-    clocks in control. The ``now`` arguments are that clock; shared stores ignore
-    them for every decision.
-    """
-
-    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        """Insert an in-progress row; ``None`` if inserted, else the row in the way.
-
-        The row in the way is returned whatever its state (expired included): the
-        caller decides. One round trip on SQL stores. :data:`BUSY` when the row is
-        held by an open transaction, which is deciding the key right now (the batching
-        Postgres store answers so rather than make a batch wait for it): in progress.
-        """
-        ...
-
-    async def replace(self, expected: Record, new: NewClaim) -> bool:
-        """Overwrite ``expected`` with a fresh claim, only if the row is still exactly it.
-
-        Compare-and-swap on the row as read (its token, status and lease), so of two
-        racing callers at most one wins, and a renewal or completion that landed
-        in between makes the swap fail.
-        """
-        ...
-
-    async def complete(
-        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
-    ) -> bool:
-        """Store the response and mark the row completed, if ``token`` still owns it;
-        it expires ``ttl`` after the store's time."""
-        ...
-
-    async def release(self, key: str, token: str) -> bool:
-        """Delete the row if ``token`` still owns it, so a retry runs again."""
-        ...
-
-    async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
-        """Extend a live claim's lease to ``lease`` past the store's time, if ``token``
-        still owns it.
-
-        Also moves the row's ``expires_at`` to at least the new ``locked_until`` (never back),
-        so that a handler outliving its ``ttl`` keeps its claim: an in-progress row
-        whose lease is live is then never expired, neither to a claim nor to ``prune``
-        (nor to a store's own expiry, such as a Redis key's TTL).
-        """
-        ...
-
-    async def get(self, key: str) -> Record | None:
-        """The row for a scoped key, expired or not (for inspection, not the hot path)."""
-        ...
-
-    async def find(self, prefix: str, *, limit: int = 2) -> list[Record]:
-        """Up to ``limit`` rows whose scoped key starts with ``prefix`` (the logs' digest)."""
-        ...
-
-    async def buckets(self, *, now: datetime | None = None) -> list[Bucket]:
-        """Every row counted into :class:`Bucket` s at ``now`` (an admin query).
-
-        ``now`` ``None``: the store's time (shared stores), the local clock (others).
-        """
-        ...
-
-    async def count_expired(self, *, now: datetime | None = None) -> int:
-        """How many rows have ``expires_at <= now`` (``now`` as in :meth:`buckets`)."""
-        ...
-
-    async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
-        """Delete up to ``batch_size`` rows with ``expires_at <= now``; return how many went.
-
-        ``now`` ``None``: the store's time (shared stores), the local clock (others).
-        """
-        ...
-
-    async def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -294,57 +95,64 @@ class PreparedStore(Protocol):
         ...
 
 
-class StoreTransaction(Protocol):
-    """One open transaction of a :class:`TransactionalStore`, under the key's lock.
+def _never(exc: BaseException) -> bool:
+    return False
 
-    ``insert`` takes a non-blocking lock on the key first: :data:`BUSY` means
-    another transaction is deciding this key right now. The lock does not make the
-    row read with it current (a rival may commit just before this transaction wins
-    it), so ``insert`` answers only from the row the insert met, and ``replace`` is
-    a compare-and-swap as everywhere.
+
+class StoreBase:
+    """The base of a store that holds a driver's connections: what it declares and how it
+    follows the event loop, written once.
+
+    - :attr:`capabilities`: what it offers beyond the primitives (the registry line
+      declares the same; :func:`capabilities` reads it).
+    - :attr:`errors`: its driver's :class:`~.errors.ErrorBoundary`, declared in the
+      store's own module (no store imports another's driver).
+    - Event-loop binding: a driver's connections belong to the loop that opened them
+      (:mod:`.loops`). Every entry point calls :meth:`_bound` (one identity check on
+      the hot path); on a loop other than the connections', :meth:`_connect` opens
+      this loop's and says what closes them, which a :class:`~.loops.LoopTenure`
+      runs on this loop as it shuts down. :meth:`_end_loop` is the store's ``close``.
+
+    The primitives themselves are the :class:`Store` protocol's, and the rules over
+    them the lifecycle's (:mod:`asgi_idempotency.core.lifecycle`), the same for
+    every store; a store of one process with nothing per loop (``MemoryStore``, the
+    documented ``DictStore``) needs no base at all.
     """
 
-    @property
-    def state(self) -> Any:
-        """What the handler writes through, as ``request.state.idempotency``."""
-        ...
+    capabilities: Capabilities = Capabilities()
+    errors: ErrorBoundary = ErrorBoundary((), _never)  # nothing is a driver's failure
+    # The loop this store's connections belong to, and what closes them on it; None
+    # until the store first serves (an instance's own, once bound).
+    _loop: asyncio.AbstractEventLoop | None = None
+    _tenure: LoopTenure | None = None
 
-    async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        """``None`` if inserted, else the row in the way, or :data:`BUSY` if another
-        transaction holds the key's lock."""
-        ...
+    def _bound(self) -> None:
+        """Serve from the running loop: on a loop other than the one the connections
+        belong to, open this loop's (:meth:`_connect`)."""
+        if asyncio.get_running_loop() is not self._loop:
+            self._enter()
 
-    async def replace(self, expected: Record, new: NewClaim) -> bool: ...
+    def _enter(self) -> None:
+        close = self._connect(moved=self._tenure is not None)
+        self._tenure = LoopTenure(close)
+        self._loop = self._tenure.loop
 
-    async def commit(self, key: str, token: str, response: StoredResponse, *,
-                     now: datetime, ttl: timedelta) -> None:  # fmt: skip
-        """Flush the handler's writes, complete the record, and commit, all or nothing.
+    def _connect(self, *, moved: bool) -> Callable[[], Awaitable[None]]:
+        """Make this loop's connections ready, and return what closes them on this loop.
 
-        Raises:
-            StoreError: the store failed, or the record is not this claim's (the
-                completion changed no row); nothing is committed.
+        ``moved``: the store served on another loop before; those connections can be
+        neither used nor closed from here, and are left to that loop's tenure.
         """
-        ...
+        raise NotImplementedError
 
-    async def commit_writes(self) -> None:
-        """Flush the handler's writes and commit them alone, with no record: report-only
-        mode runs the handler of a request whose key's record is another request's.
-
-        Raises:
-            StoreError: the store failed; nothing is committed.
-        """
-        ...
-
-
-@runtime_checkable
-class TransactionalStore(Store, Protocol):
-    """A store that can run the claim, the handler's writes and the record in one transaction."""
-
-    @property
-    def transactions_unavailable(self) -> str | None:
-        """``None`` when this instance can open transactions, else why not (for the error)."""
-        ...
-
-    def transaction(self) -> AbstractAsyncContextManager[StoreTransaction]:
-        """Open a transaction; leaving the context without ``commit`` rolls it back."""
-        ...
+    async def _end_loop(self) -> bool | None:
+        """End this store's tenure (its ``close``): ``True`` if its connections were this
+        loop's and are closed now; ``False`` if they are another loop's (closed as that
+        loop shuts down: nothing here may touch them); ``None`` if it never served."""
+        tenure, self._tenure, self._loop = self._tenure, None, None
+        if tenure is None:
+            return None
+        if tenure.loop is not asyncio.get_running_loop():
+            return False
+        await tenure.end()
+        return True

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-__all__ = ["Sighting", "SuspectedDuplicate", "group_sightings"]
+__all__ = ["Sighting", "SuspectedDuplicate", "extra_keys_by_route", "group_sightings"]
 
 
 class Sighting(NamedTuple):
@@ -81,3 +81,12 @@ def group_sightings(sightings: Iterable[Sighting], window: timedelta) -> list[Su
         close()
     found.sort(key=lambda d: (-d.requests, d.route, d.first))
     return found
+
+
+def extra_keys_by_route(found: Iterable[SuspectedDuplicate]) -> dict[str, int]:
+    """Per route, the requests that repeated one of the same run under another key (each
+    run's keys but its first): the likely extra executions."""
+    extra: dict[str, int] = {}
+    for run in found:
+        extra[run.route] = extra.get(run.route, 0) + run.keys - 1
+    return extra

@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
         if module not in sys.modules:  # imported directly: too late to rewrite
             import pytest
 
-            pytest.register_assert_rewrite(module)
+            pytest.register_assert_rewrite(module, f"{__name__}.store_kit")
         from asgi_idempotency.testing import store_contract
 
         return getattr(store_contract, name)

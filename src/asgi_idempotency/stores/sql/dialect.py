@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from asgi_idempotency.stores.base import Busy, StoreTransaction
-from asgi_idempotency.stores.sql.errors import ErrorBoundary
+from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.sql.statements import Clock
 
 __all__ = [

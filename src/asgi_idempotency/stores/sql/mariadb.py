@@ -21,25 +21,22 @@ the transaction, and the handler keeps the server's isolation level
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
-from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import ClauseElement
 from sqlalchemy.dialects.mysql.asyncmy import dialect as _asyncmy_dialect
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from asgi_idempotency.core.errors import StoreError
-from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, StoredResponse
-from asgi_idempotency.stores.codec import encode_headers, mysql_time, to_record
+from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record
+from asgi_idempotency.stores.codec import mysql_time, to_record
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions
-from asgi_idempotency.stores.sql.errors import MYSQL_ERRORS
 from asgi_idempotency.stores.sql.mysql import DIALECT as _MYSQL
-from asgi_idempotency.stores.sql.mysql import MySQLDriver, _check_claim
-from asgi_idempotency.stores.sql.postgres import IdempotencyTransaction, own_claim
+from asgi_idempotency.stores.sql.mysql import MYSQL_ERRORS, MySQLDriver, _check_claim
+from asgi_idempotency.stores.sql.pool import own_claim
 from asgi_idempotency.stores.sql.statements import (
     MARIADB_TX_CLAIM,
     MARIADB_TX_COMPLETE,
@@ -48,11 +45,12 @@ from asgi_idempotency.stores.sql.statements import (
     Compiled,
     clock_claim_values,
 )
+from asgi_idempotency.stores.sql.transaction import SQLTransaction
+from asgi_idempotency.stores.sql.transaction import open_transaction as sql_transaction
 
 __all__ = ["DIALECT", "MariaDBDriver", "MariaDBTransaction", "open_transaction", "server_problem"]
 
 _LOCK_WAIT_TIMEOUT = 1205
-_US = timedelta(microseconds=1)
 
 
 def _no_wait(stmt: ClauseElement) -> Compiled:
@@ -96,7 +94,7 @@ def _code(exc: DBAPIError) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
-class MariaDBTransaction:
+class MariaDBTransaction(SQLTransaction):
     """One request's transaction: the claim under its row's lock, then the record.
 
     The claim runs with no lock wait (1205 is :data:`~.base.BUSY`); the handler's
@@ -109,11 +107,9 @@ class MariaDBTransaction:
     then ROLLBACK as the connection goes back to the pool.
     """
 
-    __slots__ = ("_conn", "state")
+    __slots__ = ()
 
-    def __init__(self, conn: AsyncConnection) -> None:
-        self._conn = conn
-        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
+    errors = MYSQL_ERRORS
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
         values = clock_claim_values(new)
@@ -145,51 +141,16 @@ class MariaDBTransaction:
             result = await self._conn.exec_driver_sql(_REPLACE.sql, _REPLACE.args(values))
         return bool(result.rowcount)
 
-    async def commit(
-        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
-    ) -> None:
-        values = {
-            "where_key": key,
-            "where_token": token,
-            "ttl_us": ttl // _US,
-            "response_status": response.status,
-            "response_headers": encode_headers(response.headers),
-            "response_body": response.body,
-        }
-        conn = self._conn
-        with MYSQL_ERRORS:
-            await self.state.session.flush()
-            completed = (await conn.exec_driver_sql(_COMPLETE.sql, _COMPLETE.args(values))).rowcount
-            if completed != 1:
-                # The row is not this claim's: its writes must not land beside the run
-                # that owns the key (as on Postgres).
-                await conn.rollback()
-                raise StoreError("the record is not this transaction's claim; rolled back")
-            await conn.commit()
-
-    async def commit_writes(self) -> None:
-        with MYSQL_ERRORS:
-            await self.state.session.flush()
-            await self._conn.commit()
+    async def _complete(self, values: dict[str, Any]) -> int:
+        result = await self._conn.exec_driver_sql(_COMPLETE.sql, _COMPLETE.args(values))
+        return int(result.rowcount)
 
 
-@asynccontextmanager
-async def open_transaction(
+def open_transaction(
     engine: AsyncEngine, closing: set[asyncio.Task[Any]]
-) -> AsyncIterator[MariaDBTransaction]:
-    """A connection in a transaction; closing it (even when cancelled) rolls back what
-    was not committed and returns the connection to the pool."""
-    with MYSQL_ERRORS:
-        conn = await engine.connect()
-    try:
-        with MYSQL_ERRORS:
-            await conn.begin()  # no statement: the first one begins it on the server
-        yield MariaDBTransaction(conn)
-    finally:
-        task = asyncio.ensure_future(conn.close())
-        closing.add(task)
-        task.add_done_callback(closing.discard)
-        await asyncio.shield(task)
+) -> AbstractAsyncContextManager[MariaDBTransaction]:
+    """A connection in a transaction (:func:`.transaction.open_transaction`)."""
+    return sql_transaction(MariaDBTransaction, engine, closing)
 
 
 def server_problem(version: tuple[Any, ...] | None) -> str | None:

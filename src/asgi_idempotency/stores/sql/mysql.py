@@ -3,7 +3,7 @@
 ``SQLStore("mariadb+asyncmy://…")`` or ``("mysql+asyncmy://…")`` (the ``mysql`` extra).
 SQLAlchemy owns the schema, the engine, its pool and dialect selection, as on
 Postgres; the hot path keeps some of the pool's connections checked out (the
-connection keeping is :class:`~.postgres.PostgresDriver`'s, which is driver-neutral)
+connection keeping is :class:`~.pool.KeptConnections`, which is driver-neutral)
 and runs the statements of :data:`.statements.MYSQL` on them as server-side prepared
 statements, in autocommit: one statement, one round trip, no BEGIN/COMMIT.
 
@@ -48,13 +48,14 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.codec import mysql_time
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions, SQLDialect, pool_options
-from asgi_idempotency.stores.sql.errors import MYSQL_ERRORS
-from asgi_idempotency.stores.sql.postgres import LANDED, PostgresDriver, own_claim
+from asgi_idempotency.stores.sql.errors import sql_boundary
+from asgi_idempotency.stores.sql.pool import LANDED, KeptConnections, own_claim
 from asgi_idempotency.stores.sql.schema import records
 from asgi_idempotency.stores.sql.statements import MYSQL, MYSQL_CLOCK
 
 __all__ = [
     "DIALECT",
+    "MYSQL_ERRORS",
     "MySQLDriver",
     "connect_args",
     "install_session_limits",
@@ -62,6 +63,38 @@ __all__ = [
     "schema_lock",
     "session_limits",
 ]
+
+
+try:  # the mysql extra: asyncmy raises its own errors, SQLAlchemy's adapter passes them on
+    from asyncmy.errors import MySQLError as _MySQLError
+except ImportError:  # pragma: no cover - without the extra no MySQL path can run
+
+    class _MySQLError(Exception):  # type: ignore[no-redef]  # a stand-in nothing raises
+        pass
+
+
+# Server errors after which a MariaDB/MySQL connection is gone: shutdown (1053), killed
+# (1927, MariaDB), idle too long (4031, MySQL 8). Client errors are 2000-2999 (2006
+# server gone, 2013 lost connection); a deadlock or a timed-out statement leaves the
+# connection usable.
+_MYSQL_GONE = frozenset((1053, 1927, 4031))
+
+
+def _mysql_breaks(exc: BaseException) -> bool:
+    if not isinstance(exc, _MySQLError):
+        return isinstance(exc, OSError)
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+    return 2000 <= code < 3000 or code in _MYSQL_GONE or code == 0
+
+
+# asyncmy: every server error (a deadlock, 1213, and a lock wait timeout, 1205,
+# included: the statement was rolled back, the client gets 503 and retries) and the
+# client's own (2013, lost connection, also on its read timeout).
+def _mysql_no_table(exc: BaseException) -> bool:
+    return isinstance(exc, _MySQLError) and bool(exc.args) and exc.args[0] == 1146
+
+
+MYSQL_ERRORS = sql_boundary((_MySQLError,), _mysql_breaks, missing_table=_mysql_no_table)
 
 T = TypeVar("T")
 
@@ -135,14 +168,14 @@ def _check_claim(values: dict[str, Any]) -> None:
             )
 
 
-class MySQLDriver(PostgresDriver):
+class MySQLDriver(KeptConnections):
     """asyncmy connections from SQLAlchemy's pool, kept by the hot path between statements.
 
     The keeping (``limit`` connections at most, FIFO waiters, ``timeout`` seconds for a
     free one, a broken connection taking the idle ones with it) is
-    :class:`~.postgres.PostgresDriver`'s; what differs is the driver: asyncmy's
+    :class:`~.pool.KeptConnections`'s, as for Postgres; what is this driver's: asyncmy's
     prepared statements, autocommit turned on per connection, and which errors break
-    a connection (:data:`.sqlerrors.MYSQL_ERRORS`).
+    a connection (:data:`MYSQL_ERRORS`).
     """
 
     errors = MYSQL_ERRORS
@@ -248,7 +281,7 @@ class MySQLDriver(PostgresDriver):
 
         Autocommit, so the SELECT reads the latest committed row: one deleted between
         the two statements reads as None and the store asks again. Sent once more if
-        its connection broke (:meth:`~.postgres.PostgresDriver._send`): a claim whose
+        its connection broke (:meth:`~.pool.KeptConnections._send`): a claim whose
         first attempt committed then meets its own row, answered as inserted.
         """
         _check_claim(values)

@@ -11,27 +11,22 @@ transaction.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
 import asyncpg
 from sqlalchemy import text
+from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.pool import PoolProxiedConnection
 
-# greenlet_spawn: the same bridge AsyncEngine.raw_connection() uses. Returning a
-# connection to the pool may do I/O (closing an overflow connection), which the
-# async pool runs through it; without it there is no public async check-in.
-from sqlalchemy.util import greenlet_spawn
-
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.migrations import create_tables
-from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus, StoredResponse
-from asgi_idempotency.stores.codec import encode_headers, pg_time, to_record
+from asgi_idempotency.stores.base import BUSY, Busy, NewClaim, Record, RecordStatus
+from asgi_idempotency.stores.codec import pg_time, to_record
+from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.sql.dialect import (
     HotPath,
     HotPathOptions,
@@ -39,7 +34,8 @@ from asgi_idempotency.stores.sql.dialect import (
     leave_engine,
     pool_options,
 )
-from asgi_idempotency.stores.sql.errors import PG_ERRORS, ErrorBoundary
+from asgi_idempotency.stores.sql.errors import sql_boundary, unwrap
+from asgi_idempotency.stores.sql.pool import LANDED, KeptConnections, own_claim
 from asgi_idempotency.stores.sql.queries import prune_by_ctid
 from asgi_idempotency.stores.sql.statements import (
     CLAIM_LOCKED,
@@ -49,10 +45,17 @@ from asgi_idempotency.stores.sql.statements import (
     REPLACE,
     clock_claim_values,
 )
+from asgi_idempotency.stores.sql.transaction import (
+    IdempotencyTransaction,
+    SQLTransaction,
+    close,
+)
+from asgi_idempotency.stores.sql.transaction import open_transaction as sql_transaction
 
 __all__ = [
-    "ONE_STATEMENT",
     "IdempotencyTransaction",
+    "ONE_STATEMENT",
+    "PG_ERRORS",
     "PostgresDriver",
     "PostgresTransaction",
     "claimed_row",
@@ -60,6 +63,57 @@ __all__ = [
     "own_claim",
     "statement_timeout_ms",
 ]
+
+
+# SQLAlchemy's asyncpg adapter re-raises asyncpg's errors as DBAPI exceptions of its
+# own, which derive from Exception alone. Engine and Core wrap them in DBAPIError,
+# but the hot path's AsyncEngine.raw_connection() lets them through as they are: an
+# unknown role, an unknown database or a wrong password at connect.
+_ASYNCPG_ADAPTED: type[Exception] = AsyncAdapt_asyncpg_dbapi.Error
+
+# Failures after which a Postgres connection is not reused, besides asyncpg reporting
+# it closed (the rest are SQL errors on a healthy connection). InternalClientError is
+# asyncpg's protocol state gone astray: a connection the server ended while it was idle
+# reads its farewell (57P01) out of turn and refuses every later statement with
+# "cannot switch to state N" before it is sent. Not TimeoutError: on
+# command_timeout asyncpg sends a cancel request so that the server abandons the
+# statement; terminating the connection instead would let a claim blocked on a lock
+# commit after the client got its 503, and the retry would meet its own row (409).
+_PG_BROKEN: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.InterfaceError,  # "connection is closed", ConnectionDoesNotExistError
+    asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,  # SQLSTATE class 08
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+)
+
+
+def _pg_unwrap(exc: BaseException) -> BaseException:
+    """asyncpg's own exception inside SQLAlchemy's wrappers."""
+    driver = unwrap(exc)
+    if isinstance(driver, _ASYNCPG_ADAPTED) and driver.__cause__ is not None:
+        driver = driver.__cause__
+    return driver
+
+
+def _pg_breaks(exc: BaseException) -> bool:
+    driver = _pg_unwrap(exc)
+    return isinstance(driver, _PG_BROKEN) and not isinstance(driver, TimeoutError)
+
+
+PG_ERRORS = sql_boundary(
+    (
+        _ASYNCPG_ADAPTED,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,  # includes ConnectionDoesNotExistError
+        asyncpg.InternalClientError,
+    ),
+    _pg_breaks,
+    missing_table=lambda exc: isinstance(exc, asyncpg.UndefinedTableError),
+    unwrap=_pg_unwrap,
+)
 
 T = TypeVar("T")
 
@@ -75,133 +129,15 @@ def _gone(fairy: PoolProxiedConnection) -> bool:
     return driver.is_closed()
 
 
-class _NoConnection(Exception):
-    """A hot-path statement waited ``command_timeout`` for a connection in vain."""
+class PostgresDriver(KeptConnections):
+    """asyncpg connections from SQLAlchemy's pool, kept by the hot path between
+    statements (:class:`~.pool.KeptConnections`), asyncpg's prepared statements on them."""
 
-
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(_NoConnection())
-
-
-class PostgresDriver:
-    """asyncpg connections from SQLAlchemy's pool, kept by the hot path between statements.
-
-    Up to ``limit`` connections stay checked out of SQLAlchemy's pool, idle in a
-    stack of our own between statements: taking one back costs no greenlet hop and
-    no pool wait, which was most of what a one-statement request paid for its
-    checkout (and asyncpg's prepared statements stay warm). Past ``limit`` a
-    statement waits, first come first served, for one to be handed back, up to
-    ``timeout`` seconds. The rest of SQLAlchemy's pool stays free for transactional
-    requests, ``get``, ``prune`` and the application's Core work. A connection that
-    breaks takes every idle one with it, as SQLAlchemy's pool does on a disconnect:
-    they share the cause, and each would otherwise fail one more request.
-    """
-
-    # The driver's error boundary: a subclass keeping another driver's connections
-    # (MariaDB/MySQL's) names its own.
     errors: ErrorBoundary = PG_ERRORS
-
-    def __init__(self, engine: AsyncEngine, *, limit: int, timeout: float) -> None:
-        self._engine = engine
-        self._limit = max(1, limit)
-        self._timeout = timeout
-        self._held = 0  # checked out of SQLAlchemy's pool by us: idle or in use
-        self._idle: list[PoolProxiedConnection] = []
-        # FIFO waiters; a waiter is handed a connection, or None: "open a new one".
-        self._waiters: deque[asyncio.Future[PoolProxiedConnection | None]] = deque()
-        self._closed = False
-        self._closing: set[asyncio.Task[None]] = set()
-
-    async def _open(self) -> PoolProxiedConnection:
-        self._held += 1
-        try:
-            return await self._engine.raw_connection()
-        except BaseException as exc:
-            self._release_slot()
-            if isinstance(exc, self.errors.errors):
-                raise self.errors.translate(exc) from exc
-            raise
-
-    def _release_slot(self) -> None:
-        """One connection fewer is held: the longest waiter may open a new one."""
-        self._held -= 1
-        self._wake(None)
-
-    async def _checkout(self) -> PoolProxiedConnection:
-        while self._idle:
-            idle = self._idle.pop()
-            if not self._gone(idle):
-                return idle
-            # The server closed it while it was idle (idle_session_timeout, a restart,
-            # pg_terminate_backend, a pooler): asyncpg has read its end, so it would only
-            # fail the statement given to it. Drop it and take the next.
-            idle.invalidate()
-            self._close_soon(idle)
-            self._held -= 1  # no waiter to wake: they are handed connections before idle
-        if self._held < self._limit:
-            return await self._open()
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[PoolProxiedConnection | None] = loop.create_future()
-        self._waiters.append(waiter)
-        # A timer on the future rather than asyncio.timeout(): no cancellation of this
-        # task to set up and undo, on a path every request takes when the pool is busy.
-        timer = loop.call_later(self._timeout, _expire, waiter)
-        try:
-            fairy = await waiter
-        except BaseException as exc:
-            # Timed out or cancelled: pass on what was handed over in the same moment
-            # (a connection or a free slot), or it would be lost to every later waiter.
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                handed = waiter.result()
-                if handed is None:
-                    self._wake(None)
-                else:
-                    self._checkin(handed)
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-            if isinstance(exc, _NoConnection):
-                raise StoreError(f"no connection free within {self._timeout}s") from None
-            raise
-        finally:
-            timer.cancel()
-        return fairy if fairy is not None else await self._open()
 
     def _gone(self, fairy: PoolProxiedConnection) -> bool:
         """Whether the driver knows the connection closed (it read the server's end)."""
         return _gone(fairy)
-
-    def _wake(self, fairy: PoolProxiedConnection | None) -> bool:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(fairy)
-                return True
-        return False
-
-    def _checkin(self, fairy: PoolProxiedConnection) -> None:
-        if self._closed:
-            self._held -= 1
-            self._close_soon(fairy)
-        elif not self._wake(fairy):
-            self._idle.append(fairy)
-
-    def _close_soon(self, fairy: PoolProxiedConnection) -> None:
-        # Returning a connection to SQLAlchemy's pool needs an await; where the caller
-        # cannot wait (cancelled, or a sync path) it happens in a task of its own.
-        task = asyncio.ensure_future(greenlet_spawn(fairy.close))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _discard(self, fairy: PoolProxiedConnection, broken: BaseException) -> None:
-        victims = [fairy, *self._idle]
-        self._idle.clear()
-        for victim in victims:
-            # Invalidate outside the greenlet: asyncpg is then terminated at once rather
-            # than closed gracefully, which could keep a 503 waiting on a dead socket.
-            victim.invalidate(broken)
-            await greenlet_spawn(victim.close)
-            self._release_slot()  # each freed slot lets one waiter connect afresh
 
     async def _run(self, op: Callable[[Any], Awaitable[T]]) -> T:
         fairy = await self._checkout()
@@ -222,30 +158,6 @@ class PostgresDriver:
             raise
         self._checkin(fairy)
         return result
-
-    async def _send(
-        self, op: Callable[[Any], Awaitable[T]], again: Callable[[Any], Awaitable[T]] | None = None
-    ) -> T:
-        """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
-        if that one broke.
-
-        A connection the server closed while it was idle is skipped at checkout when
-        the driver has read its end, but one can break under a statement (ended a
-        moment before, read out of turn, or cut on the way): then the statement's fate
-        is unknown, and every hot-path statement may run twice. Completions, releases
-        and renewals are fenced by their claim's token (a second run changes nothing a
-        first that landed had not; ``again`` asks whether the first landed where the
-        second's answer would not say so), and a claim that meets its own row is
-        answered as inserted (:func:`own_claim`). A timeout is not sent again: the
-        server was slow, not gone, and a second wait would double the client's.
-        """
-        try:
-            return await self._run(op)
-        except StoreError as exc:
-            cause = exc.__cause__
-            if cause is None or isinstance(cause, TimeoutError) or not self.errors.breaks(cause):
-                raise
-        return await self._run(op if again is None else again)
 
     async def claim(self, values: dict[str, Any]) -> tuple[bool, Sequence[Any] | None]:
         """(inserted, the row in the way as :data:`RECORD_COLUMNS`, or None if not visible)."""
@@ -274,15 +186,6 @@ class PostgresDriver:
 
         return await self._send(op, again)
 
-    async def close(self) -> None:
-        self._closed = True
-        idle, self._idle = self._idle, []
-        for fairy in idle:
-            self._held -= 1
-            await greenlet_spawn(fairy.close)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
-
 
 _US = timedelta(microseconds=1)
 _IN_PROGRESS = RecordStatus.IN_PROGRESS.value
@@ -297,69 +200,7 @@ def claimed_row(values: dict[str, Any], at: datetime) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def _is_own(values: dict[str, Any], row: Sequence[Any]) -> bool:
-    # Exactly what this claim writes: its token, its fingerprint, its lease and its
-    # retention (measured from its created_at: the database's clock wrote them), in
-    # progress with no response (a token alone would not do: the regenerated-key
-    # detector's markers all share one).
-    return bool(
-        row[2] == values["token"]
-        and row[0] == values["request_hash"]
-        and row[1] == _IN_PROGRESS
-        and row[6] is None
-        and (row[4] - row[3]) // _US == values["lease_us"]
-        and (row[5] - row[3]) // _US == values["ttl_us"]
-    )
-
-
-def own_claim(
-    values: dict[str, Any], row: Sequence[Any] | None
-) -> tuple[bool, Sequence[Any] | None]:
-    """The answer for a claim that met ``row``: inserted if it is this claim's own.
-
-    A claim sent twice (its connection broke under the first, which had committed:
-    :meth:`PostgresDriver._send`) meets the row it inserted; anything else is a row in
-    the way (None: not visible).
-    """
-    if row is not None and _is_own(values, row):
-        return True, None
-    return False, row
-
-
-def _completed_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
-    # Completed under this claim's token: only its owner completes with it, so the
-    # first attempt landed. Not a lost claim.
-    return bool(row[2] == values["where_token"] and row[1] == RecordStatus.COMPLETED.value)
-
-
-def _replaced_by_us(values: dict[str, Any], row: Sequence[Any]) -> bool:
-    # The take-over's first attempt swapped the row for exactly this claim's.
-    return _is_own(values, row)
-
-
-# For a fenced statement sent again that changed nothing: whether the row (read by key)
-# shows that its first attempt landed. A release or renewal sent again answers as its
-# first would have (a renewal matches again, a release finds nothing: its claim is gone
-# either way).
-LANDED: dict[str, Callable[[dict[str, Any], Sequence[Any]], bool]] = {
-    "complete": _completed_by_us,
-    "replace": _replaced_by_us,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class IdempotencyTransaction:
-    """What a transactional handler writes through: one connection, one transaction.
-
-    ``session`` is bound to ``connection``; its ``commit()`` does not end the outer
-    transaction (the middleware commits it, with the record, after the handler).
-    """
-
-    connection: AsyncConnection
-    session: AsyncSession
-
-
-class PostgresTransaction:
+class PostgresTransaction(SQLTransaction):
     """One request's transaction: the claim under the key's advisory lock, then the record.
 
     Round trips for a first request: BEGIN, claim (lock included), the handler's own
@@ -368,16 +209,19 @@ class PostgresTransaction:
     whose statement met a rival's commit asks once more.
     """
 
-    __slots__ = ("_closing", "_conn", "_engine", "_sent", "state")
+    __slots__ = ("_sent",)
+
+    errors = PG_ERRORS
+
+    @staticmethod
+    def gone(fairy: PoolProxiedConnection) -> bool:
+        return _gone(fairy)
 
     def __init__(
         self, engine: AsyncEngine, conn: AsyncConnection, closing: set[asyncio.Task[Any]]
     ) -> None:
-        self._engine = engine
-        self._closing = closing
+        super().__init__(engine, conn, closing)
         self._sent = False  # whether a statement of the transaction was sent on _conn
-        self._conn = conn
-        self.state = IdempotencyTransaction(conn, AsyncSession(bind=conn))
 
     async def _claim(self, values: dict[str, Any]) -> Sequence[Any]:
         """The claim statement; as the transaction's first, once more on a fresh
@@ -402,8 +246,8 @@ class PostgresTransaction:
         if dead.sync_connection is not None:
             dead.sync_connection.invalidate(broken)
         del broken  # its traceback holds this frame: no cycle left behind
-        await _close(dead, self._closing)
-        self._conn = await _begin(self._engine, self._closing)
+        await close(dead, self._closing)
+        self._conn = await self.begin(self._engine, self._closing)
         self.state = IdempotencyTransaction(self._conn, AsyncSession(bind=self._conn))
         with PG_ERRORS:
             row = (await self._conn.execute(CLAIM_LOCKED, values)).one()
@@ -440,76 +284,15 @@ class PostgresTransaction:
             result = await self._conn.execute(REPLACE, values)
         return bool(result.rowcount)
 
-    async def commit(
-        self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
-    ) -> None:
-        values = {
-            "where_key": key,
-            "where_token": token,
-            "ttl_us": ttl // _US,
-            "response_status": response.status,
-            "response_headers": encode_headers(response.headers),
-            "response_body": response.body,
-        }
-        with PG_ERRORS:
-            await self.state.session.flush()
-            completed = (await self._conn.execute(COMPLETE, values)).rowcount
-            if completed != 1:
-                # The row is not this claim's (another token's, or gone): the claim was
-                # answered wrongly, and another run of the handler owns the key. Its
-                # writes must not land beside that run's; the retry replays its answer.
-                await self._conn.rollback()
-                raise StoreError("the record is not this transaction's claim; rolled back")
-            await self._conn.commit()
-
-    async def commit_writes(self) -> None:
-        with PG_ERRORS:
-            await self.state.session.flush()
-            await self._conn.commit()
+    async def _complete(self, values: dict[str, Any]) -> int:
+        return int((await self._conn.execute(COMPLETE, values)).rowcount)
 
 
-@asynccontextmanager
-async def open_transaction(
+def open_transaction(
     engine: AsyncEngine, closing: set[asyncio.Task[Any]]
-) -> AsyncIterator[PostgresTransaction]:
-    """A connection in a transaction; closing it (even when cancelled) rolls back what
-    was not committed and returns the connection to the pool."""
-    tx = PostgresTransaction(engine, await _begin(engine, closing), closing)
-    try:
-        yield tx
-    finally:
-        await _close(tx._conn, closing)
-
-
-async def _begin(engine: AsyncEngine, closing: set[asyncio.Task[Any]]) -> AsyncConnection:
-    """A connection of the pool, its transaction begun (the BEGIN goes with the claim)."""
-    while True:
-        with PG_ERRORS:
-            conn = await engine.connect()
-        # One the server closed while it was idle, and asyncpg has read its end, would
-        # only fail the claim: skipped for the next, as the hot path's checkout does.
-        # Each one skipped is invalidated, so it connects afresh when next taken.
-        assert conn.sync_connection is not None  # set until the connection is closed
-        if not _gone(conn.sync_connection.connection):
-            break
-        conn.sync_connection.invalidate()
-        await _close(conn, closing)
-    try:
-        with PG_ERRORS:
-            await conn.begin()
-    except BaseException:
-        await conn.close()
-        raise
-    return conn
-
-
-async def _close(conn: AsyncConnection, closing: set[asyncio.Task[Any]]) -> None:
-    """Roll back what was not committed and return ``conn`` to the pool, even when
-    cancelled (in a task of its own, which the store's close waits for)."""
-    task = asyncio.ensure_future(conn.close())
-    closing.add(task)
-    task.add_done_callback(closing.discard)
-    await asyncio.shield(task)
+) -> AbstractAsyncContextManager[PostgresTransaction]:
+    """A connection in a transaction (:func:`.transaction.open_transaction`)."""
+    return sql_transaction(PostgresTransaction, engine, closing)
 
 
 # Serialises concurrent create_all calls on one database (a transaction-scoped lock).

@@ -73,11 +73,11 @@ from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.stores.base import BUSY, Busy
 from asgi_idempotency.stores.batching import Batcher, BatchStats
 from asgi_idempotency.stores.sql.dialect import HotPath, HotPathOptions
+from asgi_idempotency.stores.sql.pool import own_claim
 from asgi_idempotency.stores.sql.postgres import (
     ONE_STATEMENT,
     PostgresDriver,
     claimed_row,
-    own_claim,
 )
 from asgi_idempotency.stores.sql.statements import PG, PG_BATCHED, PG_LONE, Compiled
 
@@ -264,7 +264,7 @@ class BatchingPostgresDriver:
         again: Callable[[asyncpg.Connection], Awaitable[T]] | None = None,
     ) -> T:
         """Run ``op`` on a hot-path connection; once more (``again``, if given) on another
-        if that one broke (:meth:`~.postgres.PostgresDriver._send`). A completion batch's
+        if that one broke (:meth:`~.pool.KeptConnections._send`). A completion batch's
         second run also asks which rows its first completed (:func:`_completing`)."""
         return await self.inner._send(op, again)
 

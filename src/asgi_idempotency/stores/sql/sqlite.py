@@ -37,19 +37,45 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from asgi_idempotency.migrations import create_tables
 from asgi_idempotency.stores.codec import sqlite_time
 from asgi_idempotency.stores.sql.dialect import MAX_BATCH, HotPath, HotPathOptions, SQLDialect
-from asgi_idempotency.stores.sql.errors import SQLITE_ERRORS
+from asgi_idempotency.stores.sql.errors import sql_boundary
 from asgi_idempotency.stores.sql.queries import prune_by_key
 from asgi_idempotency.stores.sql.statements import SQLITE
 
 __all__ = [
-    "DIALECT",
-    "MAX_BATCH",
     "ConnectionThread",
+    "DIALECT",
     "EngineSQLiteDriver",
+    "MAX_BATCH",
+    "SQLITE_ERRORS",
     "SQLiteDriver",
     "pragmas",
     "sqlite_driver",
 ]
+
+
+# sqlite3 raises ProgrammingError on a closed connection; aiosqlite (the engine's
+# connections) a ValueError ("Connection closed", "no active connection").
+_SQLITE_BROKEN: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    sqlite3.ProgrammingError,
+    sqlite3.InterfaceError,
+)
+
+
+def _sqlite_breaks(exc: BaseException) -> bool:
+    return isinstance(exc, _SQLITE_BROKEN) and not isinstance(exc, TimeoutError)
+
+
+def _sqlite_no_table(exc: BaseException) -> bool:
+    # SQLite reports a missing table with its generic error code (SQLITE_ERROR); its
+    # message is all there is to tell it by.
+    return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith("no such table")
+
+
+SQLITE_ERRORS = sql_boundary(
+    (sqlite3.Error, ValueError), _sqlite_breaks, missing_table=_sqlite_no_table
+)
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ driver for the same statements on Postgres, and far more on SQLite
 
 Everything off the hot path (``get``, ``find``, ``buckets``, ``prune``) runs through
 Core on an autocommit connection (:mod:`.queries`), inside the backend's error
-boundary (:mod:`.sqlerrors`).
+boundary (:mod:`asgi_idempotency.stores.errors`, declared per driver).
 
 The pool and the hot path's connections belong to one event loop at a time: called
 from another, the store opens fresh ones there and closes the old ones on their own
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -45,13 +45,13 @@ from asgi_idempotency.stores.base import (
     Capabilities,
     NewClaim,
     Record,
+    StoreBase,
     StoredResponse,
     StoreTransaction,
     utcnow,
 )
 from asgi_idempotency.stores.codec import as_time, encode_headers, to_record
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
-from asgi_idempotency.stores.loops import LoopTenure
 from asgi_idempotency.stores.sql.dialect import (
     MAX_BATCH,
     HotPath,
@@ -78,7 +78,7 @@ _INSERT_ATTEMPTS = 5
 _US = timedelta(microseconds=1)
 
 
-class SQLStore:
+class SQLStore(StoreBase):
     """Records in ``idempotency_records`` through SQLAlchemy's async engine.
 
     Args:
@@ -137,6 +137,7 @@ class SQLStore:
         self.engine = engine
         self.dialect: str = engine.dialect.name
         spec = self._spec = dialect_named(self.dialect)
+        self.errors = spec.errors  # the backend's driver's boundary
         if engine.dialect.driver != spec.driver:
             raise ValueError(
                 f"SQLStore needs {self.dialect}+{spec.driver}, not {engine.dialect.driver}"
@@ -157,10 +158,6 @@ class SQLStore:
             _hot_path_limit(engine), command_timeout, self.batching, max_batch
         )
         self._driver = spec.hot_path(engine, self._options)
-        # The loop that the pool's and the driver's connections belong to, and what
-        # closes them on it (see _enter); None until the store is first used.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tenure: LoopTenure | None = None
         self._time = spec.time
         # Postgres and MariaDB/MySQL decide with their own clock, given durations; SQLite
         # with the caller's, given times (Store).
@@ -170,23 +167,19 @@ class SQLStore:
         self._closing: set[asyncio.Task[Any]] = set()
         self._prepared = False  # prepare() passed once: later calls cost nothing
 
-    def _enter(self) -> None:
-        """Serve from the running loop, which is not the one the connections belong to.
+    def _connect(self, *, moved: bool) -> Callable[[], Awaitable[None]]:
+        """This loop's pool and hot-path driver (:meth:`StoreBase._bound`).
 
-        Every entry point calls this when ``asyncio.get_running_loop()`` is not
-        ``self._loop``: the only cost of the check on the hot path. The connections
-        of the previous loop cannot be used (nor closed) from this one: the store
-        takes a new pool (its own engine) and a new hot-path driver, and leaves the
-        old ones to the previous loop's tenure, which closes them on that loop.
+        The connections of the previous loop cannot be used (nor closed) from this
+        one: the store takes a new pool (its own engine) and a new hot-path driver,
+        and leaves the old ones to the previous loop's tenure, which closes them there.
         """
-        if self._tenure is not None:
+        if moved:
             if self._owns_engine:
                 # A new pool; the old one is not closed here (close=False) but by its tenure.
                 self.engine.sync_engine.dispose(close=False)
             self._driver = self._spec.hot_path(self.engine, self._options)
-        close = functools.partial(self._close_loop, self._driver, self.engine.sync_engine.pool)
-        self._tenure = LoopTenure(close)
-        self._loop = self._tenure.loop
+        return functools.partial(self._close_loop, self._driver, self.engine.sync_engine.pool)
 
     async def _close_loop(self, driver: HotPath, pool: Pool) -> None:
         """Close a loop's driver and, on the store's own engine, its pool (on that loop)."""
@@ -203,9 +196,8 @@ class SQLStore:
         from several processes at once (a lock on Postgres, ``GET_LOCK`` on MariaDB/MySQL,
         ``BEGIN IMMEDIATE`` on SQLite).
         """
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
-        with self._spec.errors:
+        self._bound()
+        with self.errors:
             await self._spec.create_schema(self.engine, self._autocommit, self._command_timeout)
 
     async def prepare(self) -> None:
@@ -227,15 +219,14 @@ class SQLStore:
         """
         if self._prepared:
             return
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         if self._spec.embedded:
             await self.create_all()
             self._prepared = True
             return
         from asgi_idempotency.migrations import schema_problem, unknown_revisions
 
-        with self._spec.errors:
+        with self.errors:
             async with self._autocommit.connect() as conn:
                 problem = await conn.run_sync(schema_problem)
                 newer = await conn.run_sync(unknown_revisions) if problem else ()
@@ -287,8 +278,7 @@ class SQLStore:
         }
 
     async def insert(self, new: NewClaim) -> Record | Literal[Busy.BUSY] | None:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         values = self._claim_values(new)
         values["key"] = new.key
         for _ in range(_INSERT_ATTEMPTS):
@@ -302,8 +292,7 @@ class SQLStore:
         raise StoreError(f"insert did not settle after {_INSERT_ATTEMPTS} attempts")
 
     async def replace(self, expected: Record, new: NewClaim) -> bool:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         values = self._claim_values(new)
         values["where_key"] = expected.key
         values["old_token"] = expected.token
@@ -314,8 +303,7 @@ class SQLStore:
     async def complete(
         self, key: str, token: str, response: StoredResponse, *, now: datetime, ttl: timedelta
     ) -> bool:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         values = {
             "where_key": key,
             "where_token": token,
@@ -330,14 +318,12 @@ class SQLStore:
         return await self._driver.rowcount(Op.COMPLETE, values) == 1
 
     async def release(self, key: str, token: str) -> bool:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         values = {"where_key": key, "where_token": token}
         return await self._driver.rowcount(Op.RELEASE, values) == 1
 
     async def renew(self, key: str, token: str, *, now: datetime, lease: timedelta) -> bool:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         values: dict[str, Any] = {"where_key": key, "where_token": token}
         if self._clock is not None:
             values["lease_us"] = lease // _US
@@ -362,16 +348,14 @@ class SQLStore:
         open_transaction = self._spec.transaction
         if open_transaction is None:
             raise ValueError(self.transactions_unavailable)
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         return open_transaction(self.engine, self._closing)
 
     # Off the hot path: Core on an autocommit connection.
 
     async def _all(self, query: Executable) -> Sequence[Any]:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
-        with self._spec.errors:
+        self._bound()
+        with self.errors:
             async with self._autocommit.connect() as conn:
                 return (await conn.execute(query)).all()
 
@@ -418,9 +402,8 @@ class SQLStore:
         )  # fmt: skip
 
     async def prune(self, *, now: datetime | None = None, batch_size: int = 1000) -> int:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
-        with self._spec.errors:
+        self._bound()
+        with self.errors:
             async with self._autocommit.connect() as conn:
                 return await self._spec.prune(conn, now=self._now(now), batch_size=batch_size)
 
@@ -429,17 +412,15 @@ class SQLStore:
         closing = [task for task in self._closing if task.get_loop() is loop]
         if closing:
             await asyncio.gather(*closing, return_exceptions=True)
-        tenure, self._tenure, self._loop = self._tenure, None, None
-        if tenure is not None and tenure.loop is not loop:
+        ended = await self._end_loop()
+        if ended is False:
             # The connections are another loop's, closed as that loop shuts down; a
             # pool disposed from here would close them on the wrong loop.
             if self._owns_engine:
                 self.engine.sync_engine.dispose(close=False)
             return
-        if tenure is None:
+        if ended is None:
             await self._driver.close()
-        else:
-            await tenure.end()
         if self._owns_engine:
             await self.engine.dispose()  # and what was used beside the store (store.engine)
 
