@@ -34,130 +34,41 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Collection, Coroutine
-from concurrent.futures import Future
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
-import orjson
-
-from asgi_idempotency.core.canonical import canonical_json
 from asgi_idempotency.core.errors import InProgress, KeyReused, StoreError
 from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.lifecycle import ClaimOutcome
-from asgi_idempotency.core.terms import DEFAULT_TTL, LEASE_NOT_GIVEN, ExecutionTerms, duration
+from asgi_idempotency.core.terms import DEFAULT_TTL, LEASE_NOT_GIVEN, ExecutionTerms
+from asgi_idempotency.functions.calls import (
+    NO_WAIT_IN_TRANSACTIONS,
+    ORJSON,
+    Call,
+    Codec,
+    check_namespace,
+    check_wait,
+    fingerprint,
+    key_of,
+    qualname,
+    record_key,
+    without_session,
+)
+from asgi_idempotency.functions.loop import LoopThread, settled
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import MetricsSink, MetricsSnapshot, Outcome
 from asgi_idempotency.observability.observer import Observer, store_label
 from asgi_idempotency.stores.base import Store, StoredResponse, utcnow
 
-__all__ = ["Codec", "InProgress", "KeyReused", "Once"]
+__all__ = ["Codec", "InProgress", "KeyReused", "Once", "fingerprint", "record_key"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
-
-
-class Codec(Protocol):
-    """How a result becomes the record's bytes and back (the default: ``orjson``)."""
-
-    def dumps(self, value: Any, /) -> bytes: ...
-
-    def loads(self, data: bytes, /) -> Any: ...
-
-
-class _ORJSON:
-    """orjson: JSON types, plus what orjson serialises natively (returned as JSON)."""
-
-    __slots__ = ()
-
-    def dumps(self, value: Any, /) -> bytes:
-        return orjson.dumps(value)
-
-    def loads(self, data: bytes, /) -> Any:
-        return orjson.loads(data)
-
-
-def record_key(namespace: str, key: str) -> str:
-    """The record's primary key: a digest of (namespace, key), never the raw key.
-
-    Built as :func:`.keys.scoped_key` is, length-prefixed, with the namespace in the
-    principal's place; its material starts with ``o`` where scoped_key's starts with a
-    digit or ``h``, so a function's record never shares a key with a request's even
-    when the middleware and the function guard share one store.
-    """
-    material = f"o{len(namespace)}:{namespace}\x00{key}"
-    return hashlib.sha256(material.encode()).hexdigest()
-
-
-def fingerprint(
-    name: str,
-    signature: inspect.Signature,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    exclude: Collection[str] = (),
-) -> str:
-    """SHA-256 hex of the canonical JSON of ``name`` and the call's bound arguments.
-
-    Bound through ``signature`` with defaults applied, so ``f(1)``, ``f(x=1)`` and
-    ``f(1, y=<its default>)`` are one call.
-
-    Raises:
-        TypeError: the arguments do not fit the signature (as calling it would).
-        CanonicalJSONError: an argument has no canonical JSON form (convert it first,
-            or name its parameter in ``exclude``).
-    """
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = {k: v for k, v in bound.arguments.items() if k not in exclude}
-    return hashlib.sha256(canonical_json([name, arguments])).hexdigest()
-
-
-class _Call(NamedTuple):
-    """One guarded call, as the store steps see it."""
-
-    key: str  # the record key (a digest)
-    fingerprint: str
-    namespace: str  # logged as the route: the programmer's name, not the caller's data
-    wait: timedelta | None
-    function: str  # the qualified name, for traces (code.function.name)
-    transactional: bool = False  # the function gets ``session``, in the claim's transaction
-
-
-class _LoopThread:
-    """An event loop in a daemon thread, for the store calls of synchronous functions."""
-
-    def __init__(self) -> None:
-        started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = Future()
-        self.thread = threading.Thread(
-            target=self._run, args=(started,), name="asgi-idempotency-once", daemon=True
-        )
-        self.thread.start()
-        self.loop, self._stop = started.result()
-
-    def _run(self, started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
-        # asyncio.Runner's close cancels what is left and runs shutdown_asyncgens, where
-        # the stores close the connections they opened on this loop (stores/loops.py).
-        with asyncio.Runner() as runner:
-            runner.run(self._serve(started))
-
-    async def _serve(
-        self, started: Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
-    ) -> None:
-        stop = asyncio.Event()
-        started.set_result((asyncio.get_running_loop(), stop))
-        await stop.wait()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join()
 
 
 class Once:
@@ -220,10 +131,10 @@ class Once:
         terms = ExecutionTerms(ttl=ttl, lease=lease)  # a route's rules, and its lease default
         self.store = store
         self.ttl, self.lease, self._renew_every = terms.ttl, terms.lease, terms.renew_every
-        self.namespace = None if namespace is None else _namespace(namespace)
-        self.wait = _wait(wait)
+        self.namespace = None if namespace is None else check_namespace(namespace)
+        self.wait = check_wait(wait)
         self.retry_after = retry_after
-        self.codec: Codec = _ORJSON() if codec is None else codec
+        self.codec: Codec = ORJSON() if codec is None else codec
         self.clock = clock
         self._terms = terms
         self._observer = Observer(metrics, store_label(store))
@@ -231,7 +142,7 @@ class Once:
         self._core = Runner(
             store, clock=clock, fail_open=False, retry_after=retry_after, observer=self._observer
         )
-        self._thread: _LoopThread | None = None
+        self._thread: LoopThread | None = None
         self._thread_lock = threading.Lock()
 
     @overload
@@ -286,25 +197,25 @@ class Once:
                 ``session`` parameter.
             ValueError: ``transactional`` on a store without transactions.
         """
-        wait_ = self.wait if wait is None else _wait(wait)
-        given = self.namespace if namespace is None else _namespace(namespace)
+        wait_ = self.wait if wait is None else check_wait(wait)
+        given = self.namespace if namespace is None else check_namespace(namespace)
         excluded = frozenset(exclude)
         if transactional:
             self.require_transactions()
             if wait is not None:
-                raise ValueError(_NO_WAIT_IN_TRANSACTIONS)
+                raise ValueError(NO_WAIT_IN_TRANSACTIONS)
             wait_ = None
 
         def guard(fn: Callable[P, R]) -> Callable[P, R]:
             signature = inspect.signature(fn)
-            name = _qualname(fn)
+            name = qualname(fn)
             space = given or f"{fn.__module__}.{name}"
             if transactional:
-                signature = _without_session(fn, signature)
+                signature = without_session(fn, signature)
 
-            def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-                return _Call(
-                    record_key(space, _key_of(key(*args, **kwargs))),
+            def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+                return Call(
+                    record_key(space, key_of(key(*args, **kwargs))),
                     fingerprint(name, signature, args, kwargs, excluded),
                     space,
                     wait_,
@@ -352,11 +263,11 @@ class Once:
         transactional = bool(kwargs.pop("transactional", False))
         if transactional:
             self.require_transactions()
-            name = _qualname(fn)
+            name = qualname(fn)
             space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
-            signature = _without_session(fn, inspect.signature(fn))
+            signature = without_session(fn, inspect.signature(fn))
             digest = fingerprint(name, signature, args, kwargs)
-            call = _Call(record_key(space, _key_of(key)), digest, space, None, name, True)
+            call = Call(record_key(space, key_of(key)), digest, space, None, name, True)
         else:
             call = self._prepare(key, fn, args, kwargs)
         return cast(R, await self._run(call, functools.partial(fn, *args, **kwargs)))
@@ -404,13 +315,13 @@ class Once:
 
     def _prepare(
         self, key: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> _Call:
-        name = _qualname(fn)
+    ) -> Call:
+        name = qualname(fn)
         space = self.namespace or f"{getattr(fn, '__module__', None)}.{name}"
         digest = fingerprint(name, inspect.signature(fn), args, kwargs)
-        return _Call(record_key(space, _key_of(key)), digest, space, self.wait, name)
+        return Call(record_key(space, key_of(key)), digest, space, self.wait, name)
 
-    async def _run(self, call: _Call, fn: Callable[..., Awaitable[Any]]) -> Any:
+    async def _run(self, call: Call, fn: Callable[..., Awaitable[Any]]) -> Any:
         with tracing.function_span(call.namespace, call.function) as opened:
             span = self._recording(call, opened)
             try:
@@ -440,7 +351,7 @@ class Once:
                 raise
             return await self._on_store_loop(self._finish(call, got, result, span))
 
-    def _run_sync(self, call: _Call, fn: Callable[[], Any]) -> Any:
+    def _run_sync(self, call: Call, fn: Callable[[], Any]) -> Any:
         thread = self._loop_thread()
         with tracing.function_span(call.namespace, call.function) as opened:
             span = self._recording(call, opened)
@@ -466,19 +377,19 @@ class Once:
     # -- what operators see: counts, and the call's own span ------------------------
 
     @staticmethod
-    def _recording(call: _Call, span: Any) -> Any:
+    def _recording(call: Call, span: Any) -> Any:
         """The call's span if it records (its key digest set), else ``None``."""
         if span is None or not span.is_recording():
             return None
         tracing.annotate(span, key_digest=call.key[:16])
         return span
 
-    def _outcome(self, call: _Call, span: Any, outcome: Outcome) -> None:
+    def _outcome(self, call: Call, span: Any, outcome: Outcome) -> None:
         self._observer.counted(call.namespace, outcome)
         if span is not None:
             tracing.annotate(span, outcome=outcome.value)
 
-    def _refused(self, call: _Call, span: Any, exc: Exception) -> None:
+    def _refused(self, call: Call, span: Any, exc: Exception) -> None:
         """Count the guard's own answer to a call it did not run (raised to the caller)."""
         if isinstance(exc, KeyReused):
             self._outcome(call, span, Outcome.MISMATCH)
@@ -492,7 +403,7 @@ class Once:
             )
             self._outcome(call, span, unavailable)
 
-    async def _claim(self, call: _Call, span: Any = None) -> bytes | Execution:
+    async def _claim(self, call: Call, span: Any = None) -> bytes | Execution:
         """Claim the key: the stored result's bytes, or the claim (its lease renewed)."""
         execution = await self._core.claim(
             call.key,
@@ -528,7 +439,7 @@ class Once:
             retry_after=wait,
         )
 
-    async def _finish(self, call: _Call, owned: Execution, result: Any, span: Any = None) -> Any:
+    async def _finish(self, call: Call, owned: Execution, result: Any, span: Any = None) -> Any:
         """Complete the key with ``result``; return it as a replay would (via the codec)."""
         self._core.stop(owned)
         try:
@@ -560,23 +471,23 @@ class Once:
         await self._core.complete(owned, stored, span=span)
         return self.codec.loads(body)
 
-    async def _release(self, call: _Call, owned: Execution, span: Any = None) -> None:
+    async def _release(self, call: Call, owned: Execution, span: Any = None) -> None:
         # The function's own error is the one raised; a release the store fails is
         # logged, and the claim lapses after its lease.
         await self._core.release(owned, span=span)
 
-    def _abandon(self, call: _Call, owned: Execution) -> None:
+    def _abandon(self, call: Call, owned: Execution) -> None:
         self._core.abandon(owned)
 
-    def _log(self, level: int, event: str, call: _Call, **fields: Any) -> None:
+    def _log(self, level: int, event: str, call: Call, **fields: Any) -> None:
         self._observer.log(level, event, call.namespace, call.key, **fields)
 
     # -- which event loop drives the store ------------------------------------------
 
-    def _loop_thread(self) -> _LoopThread:
+    def _loop_thread(self) -> LoopThread:
         with self._thread_lock:
             if self._thread is None:
-                self._thread = _LoopThread()
+                self._thread = LoopThread()
             return self._thread
 
     async def _on_store_loop(
@@ -599,10 +510,10 @@ class Once:
             if unheard is not None:
                 # The answer crosses one hop after it was decided: a caller cancelled
                 # within it never hears it. Handed over on the guard's loop.
-                answer.add_done_callback(functools.partial(_settled, thread.loop, unheard))
+                answer.add_done_callback(functools.partial(settled, thread.loop, unheard))
             raise
 
-    def _unheard(self, call: _Call, got: bytes | Execution) -> None:
+    def _unheard(self, call: Call, got: bytes | Execution) -> None:
         """A claim decided on the guard's loop whose caller was cancelled before the
         answer reached it: the function never runs, so a claim that is the caller's is
         released (token-fenced), where otherwise it would stay in progress, renewed, for
@@ -617,68 +528,3 @@ class Once:
             fn(*args)
         else:
             thread.loop.call_soon_threadsafe(fn, *args)
-
-
-_NO_WAIT_IN_TRANSACTIONS = (
-    "wait is not available with transactional=True: a running holder's claim is an open "
-    "transaction that no reader can see"
-)
-
-
-def _without_session(fn: Callable[..., Any], signature: inspect.Signature) -> inspect.Signature:
-    """``fn``'s signature without the ``session`` the guard passes it: what callers bind."""
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(
-            f"transactional=True needs an async function ({_qualname(fn)} is not): its "
-            "session is an SQLAlchemy AsyncSession"
-        )
-    session = signature.parameters.get("session")
-    if session is None or session.kind not in (
-        inspect.Parameter.KEYWORD_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    ):
-        raise TypeError(
-            f"transactional=True passes the function a keyword argument session (an "
-            f"AsyncSession in the claim's transaction): give {_qualname(fn)} a parameter "
-            "`*, session`"
-        )
-    return signature.replace(
-        parameters=[p for name, p in signature.parameters.items() if name != "session"]
-    )
-
-
-def _settled(
-    loop: asyncio.AbstractEventLoop, unheard: Callable[[T], None], answer: Future[T]
-) -> None:
-    # Any thread: the answer settles on the guard's loop, or had already.
-    if not answer.cancelled() and answer.exception() is None:
-        loop.call_soon_threadsafe(unheard, answer.result())
-
-
-def _qualname(fn: Callable[..., Any]) -> str:
-    return str(getattr(fn, "__qualname__", type(fn).__qualname__))
-
-
-def _key_of(key: object) -> str:
-    if not isinstance(key, str):
-        raise TypeError(f"a key is a str, got {type(key).__name__}")
-    if not key:
-        raise ValueError("a key is a non-empty str")
-    return key
-
-
-def _namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError("namespace must be a non-empty str")
-    if namespace.startswith("/"):
-        # Metrics and logs count a function's calls under its namespace where a request
-        # is counted under its route template, which always starts with "/".
-        raise ValueError(f"namespace must not start with '/' (route templates do): {namespace!r}")
-    return namespace
-
-
-def _wait(wait: timedelta | None) -> timedelta | None:
-    # Not bounded by the lease, unlike Policy(wait=...): no client connection is held
-    # open meanwhile, and a redelivery may well wait out a dead holder's lease to take
-    # its key over.
-    return None if wait is None else duration("wait", wait)
