@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from asgi_idempotency.core.errors import (
     AppNotStarted,
@@ -33,13 +33,21 @@ from asgi_idempotency.http.fingerprint import fingerprint_after, request_prefix
 from asgi_idempotency.http.policy import (
     Policy,
     ResolvedRoute,
+    RouteGuard,
     RouteResolver,
     iter_endpoint_policies,
     lookup,
     normalise_policies,
 )
 from asgi_idempotency.http.principals import DependencyPrincipal, PrincipalFunc
-from asgi_idempotency.http.problems import send_problem
+from asgi_idempotency.http.problems import (
+    MISSING_KEY_DETAIL,
+    NO_CALLER_DETAIL,
+    NOT_STARTED_DETAIL,
+    PRINCIPAL_REQUIRED,
+    STARTUP_FAILED_DETAIL,
+    send_problem,
+)
 from asgi_idempotency.http.readiness import Readiness
 from asgi_idempotency.http.request import guard_headers, host_scope, read_body, replay_body
 from asgi_idempotency.http.responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
@@ -53,41 +61,7 @@ from asgi_idempotency.stores.base import Store, capabilities, utcnow
 __all__ = ["IdempotencyMiddleware"]
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-_MISSING_KEY_DETAIL = (
-    "This endpoint requires an Idempotency-Key header; generate one key "
-    "per logical operation and send the same key on every retry."
-)
 _UNLIMITED = 1 << 62  # report mode reads any body: the app, not the guard, decides its size
-_PRINCIPAL_REQUIRED = (
-    "IdempotencyMiddleware needs principal=, who the caller is (records are kept per "
-    "caller, so one caller never receives another's stored response): "
-    "from_dependency(get_current_user) for a FastAPI auth dependency, from_user() for "
-    "Starlette's AuthenticationMiddleware, from_session('<field>') for SessionMiddleware, "
-    "from_headers('<header>', ...) for headers a gateway has verified, or ANONYMOUS for "
-    "a public or single-caller service (all from asgi_idempotency.http.principals)."
-)
-_NO_CALLER_DETAIL = (
-    "This endpoint keeps each Idempotency-Key per caller, and this request names no "
-    "caller: authenticate and retry with the same key."
-)
-_NOT_STARTED_DETAIL = (
-    "The app's startup has not completed, so this request was not processed; retry "
-    "with the same Idempotency-Key once the app is up."
-)
-_STARTUP_FAILED_DETAIL = (
-    "The app's startup failed, so this request was not processed; the reason is in the "
-    "server's log."
-)
-
-
-class _Guard(NamedTuple):
-    """How requests to one path are guarded: decided once per path, then cached."""
-
-    policy: Policy
-    route: str  # the route template, the label of logs and metrics
-    prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
-    header_names: frozenset[bytes]  # the policy's, read here without a property call
-    unnamed: bool = False  # from_dependency, on a route that does not use the dependency
 
 
 class IdempotencyMiddleware:
@@ -162,7 +136,7 @@ class IdempotencyMiddleware:
         # copy or pickle recreating an instance; a subclass may supply its own.)
         constructing = bool(args or kwargs) and cls.__init__ is IdempotencyMiddleware.__init__
         if constructing and kwargs.get("principal") is None:
-            raise TypeError(_PRINCIPAL_REQUIRED)
+            raise TypeError(PRINCIPAL_REQUIRED)
         return super().__new__(cls)
 
     def __init__(
@@ -192,7 +166,7 @@ class IdempotencyMiddleware:
         self.default_policy = default_policy or Policy()
         self.methods = frozenset(m.upper() for m in methods)
         if not (callable(principal) or isinstance(principal, DependencyPrincipal)):
-            raise TypeError(f"principal= {principal!r} is not a principal: " + _PRINCIPAL_REQUIRED)
+            raise TypeError(f"principal= {principal!r} is not a principal: " + PRINCIPAL_REQUIRED)
         self.principal = principal
         self.scope_by_host = scope_by_host
         self.fail_open = fail_open
@@ -385,7 +359,9 @@ class IdempotencyMiddleware:
             return policy, True
         return (self._default_policy if method in self._methods else None), False
 
-    def _decide(self, scope: Scope, resolved: ResolvedRoute | None, routed: bool) -> _Guard | None:
+    def _decide(
+        self, scope: Scope, resolved: ResolvedRoute | None, routed: bool
+    ) -> RouteGuard | None:
         """How a request to this route is guarded, or ``None`` to let it through.
 
         Depends only on the method, the path, the route and this middleware's
@@ -411,10 +387,10 @@ class IdempotencyMiddleware:
             and policy.key_from is None
             and (resolved is None or id(resolved.endpoint) not in claims)
         )
-        return _Guard(policy, route, request_prefix(method, path), policy.header_names, unnamed)
+        return RouteGuard(policy, route, request_prefix(method, path), policy.header_names, unnamed)
 
     async def _read(
-        self, guard: _Guard, scope: Scope, receive: Receive, send: Send
+        self, guard: RouteGuard, scope: Scope, receive: Receive, send: Send
     ) -> GuardedRequest | None:
         """The guarded request, or ``None`` once the request has been answered or let through."""
         policy, route = guard.policy, guard.route
@@ -429,7 +405,7 @@ class IdempotencyMiddleware:
             raw_key, content_type, declared_length, hosts = guard_headers(scope["headers"])
             if raw_key is None and policy.key_from is None:
                 if policy.required:
-                    raise MissingKey(_MISSING_KEY_DETAIL)
+                    raise MissingKey(MISSING_KEY_DETAIL)
                 observe(route, Outcome.UNGUARDED)
                 await self.app(scope, receive, send)
                 return None
@@ -456,7 +432,7 @@ class IdempotencyMiddleware:
                 if type(principal) is not str and inspect.isawaitable(principal):
                     principal = await principal
                 if principal is None and self._claim_endpoints is None:
-                    raise PrincipalMissing(_NO_CALLER_DETAIL)
+                    raise PrincipalMissing(NO_CALLER_DETAIL)
         except (PrincipalMissing, PrincipalMisconfigured) as exc:
             observe(route, Outcome.UNIDENTIFIED)
             self._observer.refused(route, exc)
@@ -521,7 +497,7 @@ class IdempotencyMiddleware:
         return GuardedRequest(key, principal, request_hash, policy, route, body, client_key, where)
 
     async def _answer(
-        self, exc: IdempotencyError, guard: _Guard, scope: Scope, receive: Receive, send: Send
+        self, exc: IdempotencyError, guard: RouteGuard, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """Answer ``exc``; in report mode run the app instead and say what it would have been."""
         if guard.policy.mode != "report":
@@ -530,7 +506,9 @@ class IdempotencyMiddleware:
         self._observer.report(guard.route, "", exc.status)
         await self._unguarded(guard, scope, receive, send)
 
-    async def _unguarded(self, guard: _Guard, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _unguarded(
+        self, guard: RouteGuard, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         """Report mode: the app answers as if unguarded. A transactional route's handler
         still gets the transaction it writes through (its writes alone commit)."""
         policy = guard.policy
@@ -584,7 +562,7 @@ class IdempotencyMiddleware:
             except ValueError as exc:
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
                 raise
-            self._refusal = AppNotStarted(_NOT_STARTED_DETAIL, retry_after=self.retry_after)
+            self._refusal = AppNotStarted(NOT_STARTED_DETAIL, retry_after=self.retry_after)
         first = True
         answered = False
 
@@ -603,7 +581,7 @@ class IdempotencyMiddleware:
                 self._refusal = None
             elif kind == "lifespan.startup.failed":
                 answered = True
-                self._refusal = AppNotStarted(_STARTUP_FAILED_DETAIL, retry_after=self.retry_after)
+                self._refusal = AppNotStarted(STARTUP_FAILED_DETAIL, retry_after=self.retry_after)
             await send(sent)
 
         prepared = functools.partial(self._readiness.lifespan, self.app)

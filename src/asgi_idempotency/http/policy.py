@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 from starlette.routing import Host, Match, Mount
 
@@ -549,3 +549,13 @@ def lookup(
     if explicit is not None:
         return explicit
     return policy_of(resolved.endpoint) if resolved is not None else None
+
+
+class RouteGuard(NamedTuple):
+    """How requests to one path are guarded: decided once per path, then cached."""
+
+    policy: Policy
+    route: str  # the route template, the label of logs and metrics
+    prefix: bytes  # the fingerprint's method-and-path part (fingerprint.request_prefix)
+    header_names: frozenset[bytes]  # the policy's, read here without a property call
+    unnamed: bool = False  # from_dependency, on a route that does not use the dependency

@@ -17,3 +17,31 @@ __all__ = ["send_problem"]
 async def send_problem(send: Send, problem: IdempotencyError) -> None:
     """Answer the request with ``problem``: its status, headers and problem+json body."""
     await send_response(send, problem.status, problem.headers(), problem.body())
+
+
+# What the middleware answers in its own words (the problems' ``detail``), and the
+# TypeError of a middleware built without principal=.
+MISSING_KEY_DETAIL = (
+    "This endpoint requires an Idempotency-Key header; generate one key "
+    "per logical operation and send the same key on every retry."
+)
+PRINCIPAL_REQUIRED = (
+    "IdempotencyMiddleware needs principal=, who the caller is (records are kept per "
+    "caller, so one caller never receives another's stored response): "
+    "from_dependency(get_current_user) for a FastAPI auth dependency, from_user() for "
+    "Starlette's AuthenticationMiddleware, from_session('<field>') for SessionMiddleware, "
+    "from_headers('<header>', ...) for headers a gateway has verified, or ANONYMOUS for "
+    "a public or single-caller service (all from asgi_idempotency.http.principals)."
+)
+NO_CALLER_DETAIL = (
+    "This endpoint keeps each Idempotency-Key per caller, and this request names no "
+    "caller: authenticate and retry with the same key."
+)
+NOT_STARTED_DETAIL = (
+    "The app's startup has not completed, so this request was not processed; retry "
+    "with the same Idempotency-Key once the app is up."
+)
+STARTUP_FAILED_DETAIL = (
+    "The app's startup failed, so this request was not processed; the reason is in the "
+    "server's log."
+)
