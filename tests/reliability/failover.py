@@ -132,11 +132,12 @@ async def run_failover(
     runs: Counter[str],
     *,
     kill: Callable[[], None],
-    promote: Callable[[], Awaitable[None]],
+    promote: Callable[[], Awaitable[float]],
     within: float = 60.0,
 ) -> Outcome:
     """The scenario above; ``kill`` SIGKILLs the primary, ``promote`` returns once another
-    is promoted. Bounded by ``within`` seconds (a hang fails)."""
+    is promoted, with the ``time.monotonic()`` of the promotion. Bounded by ``within``
+    seconds (a hang fails)."""
     out = Outcome(runs=runs)
     answered = asyncio.Event()
     done_before = 0
@@ -159,8 +160,7 @@ async def run_failover(
         await answered.wait()
         kill()
         out.killed_at = time.monotonic()
-        await promote()
-        out.promoted_at = time.monotonic()
+        out.promoted_at = await promote()
         promoted.set()
 
     async def probe(client: httpx.AsyncClient) -> None:

@@ -10,6 +10,7 @@ runs itself. The scenario and its checks: ``failover.py``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -49,9 +50,10 @@ async def test_a_killed_primary_and_a_promoted_standby_lose_nothing_and_run_noth
     await store.create_all()  # on the primary: streamed to the standby before it returns
     app, runs = effect_app(store, lease=LEASE)
 
-    async def promote() -> None:
+    async def promote() -> float:
         await asyncio.sleep(DETECTION)
         await asyncio.to_thread(pair.standby.promote)
+        return time.monotonic()
 
     try:
         outcome = await run_failover(app, runs, kill=pair.primary.kill, promote=promote)
