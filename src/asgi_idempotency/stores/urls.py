@@ -273,9 +273,9 @@ def _redact_hosts(url: str) -> str:
 
 def sqlite_path(url: str) -> str | None:
     """The file a SQLite URL opens, or ``None`` (not SQLite, in memory, or a ``file:`` URI)."""
+    if not url.lower().startswith("sqlite"):
+        return None  # before parsing: a Sentinel URL's host list is no database URL
     parsed = _parse(url)
-    if not parsed.drivername.lower().startswith("sqlite"):
-        return None
     database = parsed.database
     if not database or database == ":memory:" or parsed.query.get("uri") == "true":
         return None
