@@ -209,7 +209,8 @@ def test_multi_host_urls_become_the_lists_asyncpg_takes(given: str, used: str) -
     url = async_url(given)
     assert redact(url) == used  # shown with its separators unescaped, every host
     assert async_url(url) == url  # idempotent
-    _, options = PGDialect_asyncpg().create_connect_args(make_url(url))
+    dialect = PGDialect_asyncpg()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it unannotated
+    _, options = dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]  # as above
     hosts, ports = used.split("host=")[1].split("&")[:2]
     assert options["host"] == hosts.split(",")
     assert options["port"] == [int(p) for p in ports.removeprefix("port=").split(",")]

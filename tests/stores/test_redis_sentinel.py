@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 from redis.asyncio.sentinel import SentinelConnectionPool
 
 from asgi_idempotency.core.errors import StoreError
@@ -42,6 +43,7 @@ def _claim() -> NewClaim:
 async def test_a_sentinel_url_builds_the_masters_client_with_the_stores_options() -> None:
     store = RedisStore(f"{URL}?wait_replicas=1&wait_timeout=0.5", command_timeout=2)
     try:
+        assert isinstance(store.client, Redis)
         pool = store.client.connection_pool
         assert isinstance(pool, SentinelConnectionPool)
         assert pool.service_name == "mymaster"
@@ -63,6 +65,7 @@ async def test_the_stores_options_leave_every_redis_url_before_redis_py_reads_it
     )
     try:
         assert (store._wait, store._wait_ms) == (2, 250)
+        assert isinstance(store.client, Redis)
         assert store.client.connection_pool.connection_kwargs["health_check_interval"] == 5
     finally:
         await store.close()
@@ -82,7 +85,7 @@ def test_a_malformed_sentinel_url_is_refused(
     url: str, options: dict[str, int], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message) as caught:
-        RedisStore(url, **options)
+        RedisStore(url, wait_replicas=options.get("wait_replicas"))
     assert "hunter2" not in str(caught.value)
 
 
