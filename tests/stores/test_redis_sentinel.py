@@ -79,6 +79,7 @@ async def test_the_stores_options_leave_every_redis_url_before_redis_py_reads_it
         ("redis+sentinel://127.0.0.1:1,,127.0.0.1:2/m", {}, "malformed host ''"),
         (f"{URL}?wait_replicas=1", {"wait_replicas": 2}, "wait_replicas is 2 as an argument and 1"),
         (f"{URL}?wait_replicas=one", {}, "wait_replicas='one' in the Redis URL is not a number"),
+        (f"{URL}?ssl_cert_reqs=none", {}, "not ssl_cert_reqs"),
     ],
 )
 def test_a_malformed_sentinel_url_is_refused(

@@ -475,6 +475,12 @@ def _sentinel_client(url: str, options: dict[str, Any]) -> aioredis.Redis:
     userinfo = parts.netloc.rpartition("@")[0]
     user, colon, password = userinfo.partition(":")
     query = dict(parse_qsl(parts.query))
+    unknown = sorted(set(query) - {*_STORE_OPTIONS, "sentinel_username", "sentinel_password"})
+    if unknown:  # refused rather than ignored: none of them would reach redis-py
+        raise ValueError(
+            f"a Sentinel URL takes ?wait_replicas=, ?wait_timeout=, ?sentinel_username= and "
+            f"?sentinel_password=, not {', '.join(unknown)}"
+        )
     # Each Sentinel answers within its share of a call's deadline, so that master
     # discovery can move past a hung one and still ask the others.
     share = options["socket_connect_timeout"] / (len(hosts) + 1)
