@@ -179,3 +179,100 @@ async def test_a_hosting_provider_url_with_sslmode_connects(pg_url: str) -> None
         await _claim_once(store)
     finally:
         await store.close()
+
+
+# --- Several hosts: a primary and its standbys -----------------------------------
+
+MULTI_HOST = [
+    # libpq's form, as HA guides and cloud consoles write it: ports, or 5432 where none.
+    (
+        "postgresql+asyncpg://app@h1:5432,h2:5433/db?target_session_attrs=read-write",
+        "postgresql+asyncpg://app@/db?host=h1,h2&port=5432,5433&target_session_attrs=read-write",
+    ),
+    ("postgres://app@h1,h2/db", "postgresql+asyncpg://app@/db?host=h1,h2&port=5432,5432"),
+    ("postgresql://h1:5433,h2", "postgresql+asyncpg://?host=h1,h2&port=5433,5432"),
+    ("postgresql://app@[::1]:5433,h2/db", "postgresql+asyncpg://app@/db?host=::1,h2&port=5433,5432"),
+    # SQLAlchemy's own spellings become the same one.
+    (
+        "postgresql+asyncpg://app@/db?host=h1:5432&host=h2:5433&target_session_attrs=read-write",
+        "postgresql+asyncpg://app@/db?host=h1,h2&port=5432,5433&target_session_attrs=read-write",
+    ),
+    ("postgresql+asyncpg://app@/db?host=h1&host=h2", "postgresql+asyncpg://app@/db?host=h1,h2&port=5432,5432"),
+    ("postgresql://app@/db?host=h1,h2&port=5433,5434", "postgresql+asyncpg://app@/db?host=h1,h2&port=5433,5434"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "used"), MULTI_HOST)
+def test_multi_host_urls_become_the_lists_asyncpg_takes(given: str, used: str) -> None:
+    from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+
+    url = async_url(given)
+    assert redact(url) == used  # shown with its separators unescaped, every host
+    assert async_url(url) == url  # idempotent
+    dialect = PGDialect_asyncpg()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it unannotated
+    _, options = dialect.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]  # as above
+    hosts, ports = used.split("host=")[1].split("&")[:2]
+    assert options["host"] == hosts.split(",")
+    assert options["port"] == [int(p) for p in ports.removeprefix("port=").split(",")]
+
+
+def test_a_multi_host_url_keeps_its_password_and_never_shows_it() -> None:
+    url = async_url("postgresql://app:p%40ss@h1:5432,h2:5432/db")
+    assert make_url(url).password == "p@ss"
+    assert redact(url) == "postgresql+asyncpg://app:***@/db?host=h1,h2&port=5432,5432"
+    # As written, too (a message about the URL the user gave): every host, no password.
+    assert redact("postgresql://app:hunter2@h1:5432,h2/db?password=hunter2") == (
+        "postgresql://app:***@h1:5432,h2/db?password=***"
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("postgresql://u:hunter2@h1,,h2/db", "malformed host ''"),
+        ("postgresql://u:hunter2@h1:port,h2/db", "malformed host 'h1:port'"),
+        ("postgresql://u:hunter2@h1:70000,h2/db", "malformed host 'h1:70000'"),
+        ("postgresql://u:hunter2@h1,h2/db?host=h3", "hosts both before the path and as ?host="),
+        ("postgresql://u:hunter2@/db?host=h1,h2&port=1", "lists differ in length"),
+        ("mariadb://u:hunter2@h1,h2/db", "mariadb:// takes one host"),
+    ],
+)
+def test_a_malformed_host_list_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        async_url(url)
+    assert "hunter2" not in str(caught.value)
+    assert "postgresql+asyncpg://" in str(caught.value)  # the accepted spellings
+
+
+def _multi_host(pg_url: str, form: str, live: str | None = None) -> str:
+    """``pg_url`` behind a first host that refuses connections (a dead primary)."""
+    u = make_url(pg_url)
+    dead, live = "127.0.0.1:1", live or f"{u.host}:{u.port or 5432}"
+    if form == "libpq":
+        url = f"postgresql://{u.username}@{dead},{live}/{u.database}?"
+    else:
+        url = f"postgresql+asyncpg://{u.username}@/{u.database}?host={dead}&host={live}&"
+    return url + "target_session_attrs=read-write"
+
+
+@pytest.mark.anyio
+@pytest.mark.postgres
+@pytest.mark.parametrize("form", ["libpq", "sqlalchemy"])
+async def test_sql_store_takes_a_multi_host_url(form: str, pg_url: str) -> None:
+    # asyncpg tries the hosts in order; read-write takes the one that accepts writes.
+    store = SQLStore(_multi_host(pg_url, form))
+    try:
+        await _claim_once(store)
+    finally:
+        await store.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("form", ["libpq", "sqlalchemy"])
+def test_the_cli_takes_a_multi_host_url(
+    form: str, pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["stats", "--database-url", _multi_host(pg_url, form)]) == 0
+    assert cli.main(["stats", "--database-url", _multi_host(pg_url, form, "127.0.0.1:2")]) != 0
+    err = capsys.readouterr().err
+    assert "host=127.0.0.1,127.0.0.1&port=1,2&" in err, err  # every host in the message

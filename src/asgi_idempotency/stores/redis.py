@@ -1,4 +1,4 @@
-"""Redis store (``asgi-idempotency[redis]``): one server, or Redis Cluster.
+"""Redis store (``asgi-idempotency[redis]``): one server, Redis under Sentinel, or Redis Cluster.
 
 One hash per record, at ``idem:{<scoped key>}``. The scoped key is already the
 sha256 hex digest of principal and client key, so the raw client key never reaches
@@ -61,10 +61,11 @@ import contextlib
 import functools
 import heapq
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.stores.base import (
@@ -81,13 +82,20 @@ from asgi_idempotency.stores.codec import decode_headers, encode_headers
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
 from asgi_idempotency.stores.loops import LoopTenure
 from asgi_idempotency.stores.sql.errors import ErrorBoundary
-from asgi_idempotency.stores.urls import ACCEPTED, REDIS_CLUSTER_SCHEMES, REDIS_SCHEMES
+from asgi_idempotency.stores.urls import (
+    ACCEPTED,
+    REDIS_CLUSTER_SCHEMES,
+    REDIS_SCHEMES,
+    REDIS_SENTINEL_SCHEMES,
+    host_list,
+)
 
 try:
     import redis.asyncio as aioredis
     from redis import exceptions as rexc
     from redis.asyncio.cluster import RedisCluster
     from redis.asyncio.retry import Retry
+    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
     from redis.backoff import ExponentialWithJitterBackoff
     from redis.commands.core import AsyncScript
     from redis.crc import key_slot
@@ -409,13 +417,104 @@ def _slot_tag(slot: int) -> str:
 
 
 def _split_url(url: str) -> tuple[str, bool]:
-    """(the URL redis-py reads, whether it names a cluster)."""
+    """(the URL redis-py reads, whether it names a cluster); the store's own query
+    parameters (:func:`_store_options`) left out."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES:
         raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use {ACCEPTED}")
     cluster = scheme in REDIS_CLUSTER_SCHEMES
-    return urlunsplit(parts._replace(scheme=scheme.partition("+")[0])), cluster
+    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in _STORE_OPTIONS])
+    return urlunsplit(parts._replace(scheme=scheme.partition("+")[0], query=query)), cluster
+
+
+# Query parameters of a Redis URL that are the store's, not redis-py's: the CLI and
+# open_store() build a store from its URL alone.
+_STORE_OPTIONS = {"wait_replicas": int, "wait_timeout": float}
+
+
+def _store_options(url: str) -> dict[str, Any]:
+    """``wait_replicas`` and ``wait_timeout`` as the URL's query gives them."""
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(urlsplit(url).query):
+        if name in _STORE_OPTIONS:
+            try:
+                options[name] = _STORE_OPTIONS[name](value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} in the Redis URL is not a number") from None
+    return options
+
+
+# The Sentinels' own clients of each Sentinel manager we built.
+_SENTINELS: weakref.WeakKeyDictionary[Sentinel, list[aioredis.Redis]] = weakref.WeakKeyDictionary()
+
+#: Sentinel's port, where a Sentinel of a ``redis+sentinel://`` URL names none.
+SENTINEL_PORT = 26379
+
+
+def _sentinel_client(url: str, options: dict[str, Any]) -> aioredis.Redis:
+    """The master's client, as Sentinel names it, for
+    ``redis+sentinel://[user:password@]h1:26379,h2:26379/service[/db]``.
+
+    The credentials and ``ssl`` (``rediss+sentinel``) are the master's and the
+    replicas'; ``?sentinel_username=``/``?sentinel_password=`` are the Sentinels' own,
+    where they require one. redis-py's Sentinel client asks the Sentinels for the
+    master on every new connection, and drops a connection that meets ``READONLY``
+    (a demoted master), so a failover costs requests 503 only until the Sentinels
+    have promoted a replica.
+    """
+    parts = urlsplit(url)
+    hosts = host_list(url, SENTINEL_PORT)
+    if hosts is None:
+        host, port = parts.hostname, parts.port
+        if not host:
+            raise ValueError(f"a Sentinel URL names its Sentinels as host:port: use {ACCEPTED}")
+        hosts = [(host, port or SENTINEL_PORT)]
+    service, _, db = parts.path.strip("/").partition("/")
+    if not service or (db and not db.isdigit()):
+        raise ValueError(
+            "a Sentinel URL names the master's service and, optionally, the database "
+            f"after the Sentinels (redis+sentinel://h1:26379,h2:26379/mymaster/0): use {ACCEPTED}"
+        )
+    userinfo = parts.netloc.rpartition("@")[0]
+    user, colon, password = userinfo.partition(":")
+    query = dict(parse_qsl(parts.query))
+    unknown = sorted(set(query) - {*_STORE_OPTIONS, "sentinel_username", "sentinel_password"})
+    if unknown:  # refused rather than ignored: none of them would reach redis-py
+        raise ValueError(
+            f"a Sentinel URL takes ?wait_replicas=, ?wait_timeout=, ?sentinel_username= and "
+            f"?sentinel_password=, not {', '.join(unknown)}"
+        )
+    # Each Sentinel answers within its share of a call's deadline, so that master
+    # discovery can move past a hung one and still ask the others.
+    share = options["socket_connect_timeout"] / (len(hosts) + 1)
+    sentinel_options: dict[str, Any] = {
+        "socket_timeout": share,
+        "socket_connect_timeout": share,
+        "protocol": options["protocol"],
+    }
+    for name in ("username", "password"):
+        if f"sentinel_{name}" in query:
+            sentinel_options[name] = query[f"sentinel_{name}"]
+    tls = parts.scheme.lower().startswith("rediss")
+    if tls:
+        sentinel_options["ssl"] = True
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_options)
+    # Closed with the master's client (_close_clients). A copy of the list, not the
+    # list: redis-py (8.2) moves the Sentinel that answered to its front with a swap
+    # across an await, and concurrent discoveries can leave one Sentinel's client
+    # twice in the list and another's not at all (then never closed by Sentinel.aclose).
+    _SENTINELS[sentinel] = list(sentinel.sentinels)
+    client: aioredis.Redis = sentinel.master_for(
+        service,
+        redis_class=aioredis.Redis,
+        db=int(db or 0),
+        username=unquote(user) or None,
+        password=unquote(password) if colon else None,
+        ssl=tls,
+        **options,
+    )
+    return client
 
 
 class RedisStore:
@@ -423,16 +522,23 @@ class RedisStore:
 
     Args:
         url_or_client: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS),
-            ``redis+cluster://host:port`` or ``rediss+cluster://…`` (any node of a
-            Redis Cluster), or an existing ``redis.asyncio.Redis`` / ``RedisCluster``
-            that the caller owns (and closes: :meth:`close` leaves it open). A passed
-            client must not decode responses (bodies are bytes).
+            ``redis+sentinel://[user:password@]host:port,host:port/service/db`` or
+            ``rediss+sentinel://…`` (the Sentinels, then the name of the master they
+            watch; the credentials are the master's, ``?sentinel_password=`` the
+            Sentinels' own), ``redis+cluster://host:port`` or ``rediss+cluster://…``
+            (any node of a Redis Cluster), or an existing ``redis.asyncio.Redis``
+            (``Sentinel(...).master_for(...)`` included) / ``RedisCluster`` that the
+            caller owns (and closes: :meth:`close` leaves it open). A passed client
+            must not decode responses (bodies are bytes). A URL may carry
+            ``?wait_replicas=`` and ``?wait_timeout=`` (below) for a store built from
+            it alone, as the CLI's.
         command_timeout: seconds to connect, and to wait for any one command, before
             the store gives up and the request gets 503 (default 5). Applies when the
             store builds the client.
         key_prefix: the records' key prefix (default ``"idem"``: keys ``idem:{digest}``).
         wait_replicas: after every write (claim, take-over, completion, release,
-            renewal), ``WAIT`` until this many replicas have it (default 0: no wait).
+            renewal), ``WAIT`` until this many replicas have it (default: the URL's
+            ``?wait_replicas=``, else 0: no wait).
             Sent in one pipeline with the script, on its connection, so still one round
             trip, plus the replication delay. If fewer acknowledge within
             ``wait_timeout`` the operation raises :class:`StoreError`: a claim gets 503
@@ -440,7 +546,8 @@ class RedisStore:
             response (the middleware logs the error). A replica promoted after a
             failover then has every acknowledged claim and completion; see the
             README's Redis and Redis Cluster section.
-        wait_timeout: seconds ``WAIT`` may block (default 1); with ``wait_replicas``,
+        wait_timeout: seconds ``WAIT`` may block (default: the URL's ``?wait_timeout=``,
+            else 1); with ``wait_replicas``,
             less than ``command_timeout``, which bounds the write and its ``WAIT`` together.
         batching: pipeline the hot path (default ``True``): while a command to a server
             (on a cluster, to a slot's primary) is in flight, the claims, completions,
@@ -462,7 +569,9 @@ class RedisStore:
     Raises:
         ValueError: an unsupported URL scheme, a client that decodes responses, a
             timeout that is not positive, a ``wait_timeout`` not below
-            ``command_timeout`` with ``wait_replicas``, or a ``max_batch`` below 1.
+            ``command_timeout`` with ``wait_replicas``, a ``max_batch`` below 1, or a
+            ``wait_replicas``/``wait_timeout`` given both in the URL and as an argument,
+            with different values.
     """
 
     def __init__(
@@ -471,11 +580,21 @@ class RedisStore:
         *,
         command_timeout: float = 5.0,
         key_prefix: str = "idem",
-        wait_replicas: int = 0,
-        wait_timeout: float = 1.0,
+        wait_replicas: int | None = None,
+        wait_timeout: float | None = None,
         batching: bool = True,
         max_batch: int = MAX_BATCH,
     ) -> None:
+        given = {"wait_replicas": wait_replicas, "wait_timeout": wait_timeout}
+        if isinstance(url_or_client, str):
+            for name, value in _store_options(url_or_client).items():
+                if given[name] is not None and given[name] != value:
+                    raise ValueError(
+                        f"{name} is {given[name]} as an argument and {value} in the URL"
+                    )
+                given[name] = value
+        wait_replicas = 0 if given["wait_replicas"] is None else int(given["wait_replicas"])
+        wait_timeout = 1.0 if given["wait_timeout"] is None else float(given["wait_timeout"])
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if command_timeout is None or command_timeout <= 0:
@@ -486,8 +605,7 @@ class RedisStore:
         # as long as the whole call would be cut off by the deadline, and a write whose
         # replicas lag would read as a hung server instead of a WAIT shortfall.
         if (
-            wait_timeout is None
-            or wait_timeout <= 0
+            not wait_timeout > 0  # NaN included
             or (wait_replicas and wait_timeout >= command_timeout)
         ):
             raise ValueError(
@@ -601,19 +719,37 @@ class RedisStore:
             self._enter()
         if self._cold:
             await self._warm()
-        if self._wait:
-            return await _call(self._run_and_wait(script, key, args), self._timeout)
-        rkey = self._key(key)
-        if not self.batching:
-            return await _call(self._evalsha(script, rkey, args), self._timeout)
-        # The deadline covers the wait in the queue too, so a request is answered within
-        # command_timeout as without batching; a waiter that gives up is dropped from
-        # the queue, or, if its pipeline was sent, its reply is (see _orphaned).
-        op = (script, rkey, args, size)
-        reply = await _call(self._batcher(rkey).submit(op), self._timeout)
-        if isinstance(reply, Exception):  # this command's own error reply in the pipeline
-            raise translate(reply) from reply
-        return reply
+        try:
+            if self._wait:
+                return await _call(self._run_and_wait(script, key, args), self._timeout)
+            rkey = self._key(key)
+            if not self.batching:
+                return await _call(self._evalsha(script, rkey, args), self._timeout)
+            # The deadline covers the wait in the queue too, so a request is answered
+            # within command_timeout as without batching; a waiter that gives up is dropped
+            # from the queue, or, if its pipeline was sent, its reply is (see _orphaned).
+            op = (script, rkey, args, size)
+            reply = await _call(self._batcher(rkey).submit(op), self._timeout)
+            if isinstance(reply, Exception):  # this command's own error reply in the pipeline
+                raise translate(reply) from reply
+            return reply
+        except StoreError as exc:
+            if isinstance(exc.__cause__, rexc.ReadOnlyError):
+                await self._demoted()
+            raise
+
+    async def _demoted(self) -> None:
+        """``READONLY``: the server this client reached is a replica now (a failover
+        demoted it, and a DNS name or virtual IP may already lead to the new primary).
+        To the store that is a broken connection: the pool's idle connections, the one
+        that met it among them, are dropped, so the next command connects afresh. The
+        request still gets 503: its command did not run. (A client from
+        ``Sentinel.master_for`` does this itself, asking the Sentinels again.)"""
+        client = self.client
+        if isinstance(client, RedisCluster):
+            return  # the cluster client follows the slot map: MOVED, not READONLY
+        with contextlib.suppress(*DRIVER_ERRORS):
+            await client.connection_pool.disconnect(inuse_connections=False)
 
     def _batcher(self, rkey: str) -> Batcher[_Op, Any]:
         """The batcher of ``rkey``'s server: the one server's, or its slot's primary's."""
@@ -750,20 +886,20 @@ class RedisStore:
             target = self._node_client(cluster.get_node_from_key(rkey))
         else:
             target = cluster
-        reloaded = followed = False
+        followed = False
         try:
             while True:
                 pipe = target.pipeline(transaction=False)
-                pipe.execute_command("EVALSHA", script.sha, 1, rkey, *args)
+                # EVAL with the script's text, never EVALSHA: a server that lacks the
+                # script (a replica just promoted by a failover, a restart) would answer
+                # NOSCRIPT, and the WAIT pipelined behind it would still block for its
+                # whole timeout when no replica is attached, before the reload and the
+                # second try; every write that meets a fresh primary paid it. The text
+                # costs bytes on a path that already waits for replication.
+                pipe.execute_command("EVAL", script.script, 1, rkey, *args)
                 pipe.execute_command("WAIT", self._wait, self._wait_ms)
                 try:
                     result, acked = await pipe.execute()
-                except rexc.NoScriptError:
-                    if reloaded:
-                        raise
-                    reloaded = True
-                    script.sha = await target.script_load(script.script)
-                    continue
                 except rexc.MovedError as moved:
                     # The slot has another primary now (a failover, a resharding) and
                     # this node ran nothing: send it once more, to the primary a fresh
@@ -1136,6 +1272,10 @@ async def _close_clients(client: _Client | None, node_clients: dict[str, aioredi
     node_clients.clear()
     if client is not None:
         await client.aclose()
+        pool = getattr(client, "connection_pool", None)
+        if isinstance(pool, SentinelConnectionPool):  # a redis+sentinel:// URL's
+            for sentinel in _SENTINELS.get(pool.sentinel_manager, []):
+                await sentinel.aclose()
 
 
 def _record(key: str, row: Sequence[Any]) -> Record:
@@ -1169,6 +1309,7 @@ def _claimed(key: str, packed: bytes) -> Record:
 
 def _make_client(url: str, command_timeout: float) -> _Client:
     redis_url, cluster = _split_url(url)
+    sentinel = urlsplit(url).scheme.lower() in REDIS_SENTINEL_SCHEMES
     # A few quick retries of a dropped connection (the scripts recognise their own
     # landed write, above); past them the request gets 503 rather than a long wait.
     retry = Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.25), retries=2)
@@ -1202,4 +1343,6 @@ def _make_client(url: str, command_timeout: float) -> _Client:
     # retries, where a socket timeout applied to each attempt. Cancelled mid-send or
     # mid-read, redis-py disconnects the connection, so no reply is left in flight.
     options["socket_timeout"] = None
+    if sentinel:
+        return _sentinel_client(url, options)
     return aioredis.Redis.from_url(redis_url, **options)

@@ -16,7 +16,7 @@ from typing import Any
 
 from asgi_idempotency._extras import missing_extra
 from asgi_idempotency.stores.base import Capabilities, Store
-from asgi_idempotency.stores.urls import async_url
+from asgi_idempotency.stores.urls import REDIS_SCHEMES, async_url
 
 __all__ = ["KINDS", "StoreKind", "kind_of", "kinds", "open_store", "register"]
 
@@ -117,7 +117,7 @@ KINDS: list[StoreKind] = [
         },
     ),
     StoreKind(
-        "Redis", ("redis", "rediss", "redis+cluster", "rediss+cluster"),
+        "Redis", REDIS_SCHEMES,  # one server, Sentinel's master, a Cluster
         "asgi_idempotency.stores.redis:RedisStore",
         Capabilities(prune=False, audit=True, own_clock=True),
         extra="redis",
