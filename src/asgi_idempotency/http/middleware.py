@@ -56,7 +56,7 @@ from asgi_idempotency.integrations.openapi import guard_of_for, install_openapi
 from asgi_idempotency.observability.metrics import MetricsSink, MetricsSnapshot, Outcome
 from asgi_idempotency.observability.observer import Observer, route_to_server_log
 from asgi_idempotency.observability.regenerated import RegeneratedKeys
-from asgi_idempotency.stores.base import Store, capabilities, utcnow
+from asgi_idempotency.stores.base import Store, utcnow
 
 __all__ = ["IdempotencyMiddleware"]
 
@@ -531,15 +531,8 @@ class IdempotencyMiddleware:
         found = [p for p in (*self.policies.values(), self.default_policy) if p.transactional]
         if app is not None:
             found += [p for p in iter_endpoint_policies(app, self) if p.transactional]
-        if not found:
-            return
-        store = self.store
-        if capabilities(store).transactions:
-            return
-        why = getattr(store, "transactions_unavailable", None) or (
-            f"{type(store).__name__} has no transactions"
-        )
-        if why:
+        why = self._runtime.runner.transactions_unavailable() if found else None
+        if why is not None:
             raise ValueError(
                 "Policy(transactional=True) needs SQLStore on Postgres or MariaDB "
                 f"(postgresql+asyncpg://... or mariadb+asyncmy://...): {why}"

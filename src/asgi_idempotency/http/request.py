@@ -7,12 +7,17 @@ handler then reads the same bytes through :func:`replay_body`.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, NamedTuple
 
 from asgi_idempotency.core.errors import BodyTooLarge, InvalidHost, InvalidKey
 from asgi_idempotency.core.keys import HEADER
 from asgi_idempotency.http.asgi import Headers, Message, Receive
 
+if TYPE_CHECKING:
+    from asgi_idempotency.http.policy import Policy
+
 __all__ = [
+    "GuardedRequest",
     "HostHeaders",
     "forwarded_hosts",
     "guard_headers",
@@ -208,3 +213,16 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class GuardedRequest(NamedTuple):
+    """What the guard knows of one request once it has been read (frozen)."""
+
+    key: str  # the scoped key: sha256 hex of (host, principal, client key); "" until known
+    principal: str | None  # None until FastAPI resolves it (from_dependency)
+    fingerprint: str
+    policy: Policy
+    route: str
+    body: bytes
+    client_key: str  # as the client sent it, parsed; never logged
+    host: str  # "" when records are not scoped by host

@@ -35,7 +35,7 @@ import enum
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 from asgi_idempotency.core import lifecycle
 from asgi_idempotency.core.errors import (
@@ -51,8 +51,8 @@ from asgi_idempotency.core.keys import scope_digest, scoped_key
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
 from asgi_idempotency.http.capture import send_replay, stored_headers
-from asgi_idempotency.http.policy import Policy
 from asgi_idempotency.http.problems import send_problem
+from asgi_idempotency.http.request import GuardedRequest
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import Outcome
 from asgi_idempotency.observability.observer import Observer, logger
@@ -71,19 +71,6 @@ GUARD_SCOPE_KEY = "asgi_idempotency.http.responder"
 STREAM_KEEP_LIMIT = 1024 * 1024
 _PATHSEND = "http.response.pathsend"
 _TRAILERS = "http.response.trailers"
-
-
-class GuardedRequest(NamedTuple):
-    """What the guard knows of one request once it has been read (frozen)."""
-
-    key: str  # the scoped key: sha256 hex of (host, principal, client key); "" until known
-    principal: str | None  # None until FastAPI resolves it (from_dependency)
-    fingerprint: str
-    policy: Policy
-    route: str
-    body: bytes
-    client_key: str  # as the client sent it, parsed; never logged
-    host: str  # "" when records are not scoped by host
 
 
 class Runtime:
