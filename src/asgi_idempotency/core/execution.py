@@ -227,7 +227,7 @@ class Runner:
                 tracing.annotate(span, taken_over=True)
             self.observer.takeover(route)
 
-    async def _claim_as(
+    def _claim_as(
         self,
         claimant: lifecycle.Claimant,
         key: str,
@@ -239,8 +239,12 @@ class Runner:
         scope: str | None,
         span: Any,
         now: datetime | None = None,
-    ) -> Claim:
-        """One claim of ``key`` for ``token``: a round trip (two to take over)."""
+    ) -> Coroutine[Any, Any, Claim]:
+        """One claim of ``key`` for ``token``: a round trip (two to take over), to await.
+
+        A plain function: the common case hands back :func:`.lifecycle.claim`'s own
+        coroutine, one frame less per request than awaiting it here.
+        """
         if now is None:
             now = self.clock()
         claiming = lifecycle.claim(
@@ -257,7 +261,10 @@ class Runner:
             route=None if scope is None else route[:MAX_ROUTE_LENGTH],
         )
         if span is None and not self.observer.timing:
-            return await claiming  # the common case: no span, no timing, no context
+            return claiming  # the common case: no span, no timing, no context
+        return self._timed(claiming, span)
+
+    async def _timed(self, claiming: Coroutine[Any, Any, Claim], span: Any) -> Claim:
         with self.observer.store_call("claim", span):
             return await claiming
 

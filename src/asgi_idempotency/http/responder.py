@@ -89,7 +89,7 @@ class Runtime:
     """What every request of one middleware shares: the runner (the store, the clock, the
     settings), the app, the service's namespace and the regenerated-key detector."""
 
-    __slots__ = ("app", "namespace", "regenerated", "runner")
+    __slots__ = ("app", "namespace", "regenerated", "runner", "scopes")
 
     def __init__(
         self,
@@ -109,6 +109,24 @@ class Runtime:
         self.namespace = namespace  # the service's namespace in every key ("": none)
         # The opt-in regenerated-key detector (regenerated.py); None costs one check.
         self.regenerated: RegeneratedKeys | None = None
+        # Scope digests by (principal, host): the audit's digest is the same for every
+        # request of one caller, a sha256 not worth computing per request.
+        self.scopes: dict[tuple[str, str], str] = {}
+
+    def scope_digest(self, principal: str, host: str) -> str:
+        """:func:`.keys.scope_digest` of the caller in this service's namespace, kept for
+        the last :data:`_SCOPES_KEPT` callers (then forgotten all at once)."""
+        scopes = self.scopes
+        digest = scopes.get((principal, host))
+        if digest is None:
+            if len(scopes) >= _SCOPES_KEPT:
+                scopes.clear()
+            digest = scopes[principal, host] = scope_digest(principal, host, self.namespace)
+        return digest
+
+
+# Callers whose scope digest a middleware keeps (about 200 bytes each).
+_SCOPES_KEPT = 4096
 
 
 _MISMATCH_DETAIL = (
@@ -278,7 +296,7 @@ class Responder:
                 # Report-only mode answers what it finds at once, as without the guard.
                 wait=None if report else policy.wait,
                 # For the audit, on every guarded request: digests and the template only.
-                scope=scope_digest(req.principal or "", req.host, self.rt.namespace),
+                scope=self.rt.scope_digest(req.principal or "", req.host),
             )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")
@@ -452,8 +470,9 @@ class Responder:
         sent as they came); ``None`` when the whole response is still held here, or
         when the stream's final body went out and only its trailers are left.
         """
+        # No _stop_renewal() here: complete() and release() stop it first thing, with
+        # no await before (a transaction's claim has none).
         self.state = _State.FINISHING
-        self._stop_renewal()
         start = self.start
         assert start is not None
         status: int = start["status"]
