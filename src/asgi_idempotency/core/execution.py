@@ -177,7 +177,8 @@ class Runner:
                 tracing.annotate(span, waited=True)
         if not claim.owned:
             return Execution(claim, now, key, "", route, terms)
-        self._taken_over(claim, route, key, span)
+        if claim.outcome is ClaimOutcome.TAKEN_OVER:
+            self._taken_over(claim, route, key, span)
         renewal = self.renewals.start(key, token, terms.lease, terms.renew_every, route)
         if wait is not None:
             self.waiters.hold(key)  # duplicates here wait to hear of its end, not the store
@@ -337,7 +338,8 @@ class Runner:
             )  # fmt: skip
             self.settled(execution)
             return
-        self.settled(execution)
+        if execution.wait is not None:  # settled(), inlined: no one waits on most keys
+            self.waiters.settled(key)
         if not owned:
             self.observer.log(logging.ERROR, "idempotency.claim_lost", execution.route, key,
                               phase="complete")  # fmt: skip

@@ -204,7 +204,8 @@ class Responder:
             if execution is not None:
                 # However the claim ended (a no-op once it was completed or released):
                 # waiters hear of it, and a transaction still open rolls back.
-                self.runner.settled(execution)
+                if execution.wait is not None:
+                    self.runner.settled(execution)
                 if execution.tx is not None:
                     await self.runner.close(execution)
 
