@@ -111,6 +111,8 @@ async def settle_postgres(url: str) -> None:
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("VACUUM idempotency_records")
+        if await conn.fetchval("SELECT to_regclass('idemkit_records') IS NOT NULL"):
+            await conn.execute("VACUUM idemkit_records")  # the idemkit peer's own table
         await conn.execute("CHECKPOINT")
     finally:
         await conn.close()
