@@ -50,7 +50,7 @@ from asgi_idempotency.core.execution import Execution, Runner
 from asgi_idempotency.core.keys import scope_digest, scoped_key
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
 from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
-from asgi_idempotency.http.capture import send_replay, stored_headers
+from asgi_idempotency.http.capture import send_replay, storable_headers, stored_headers
 from asgi_idempotency.http.policy import Policy
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import Outcome
@@ -443,7 +443,11 @@ class Responder:
             self._keep(body)
             await self.send(message)
             return
-        self._keep(body)
+        if not self.streaming:
+            if body:  # _keep(), inlined for the usual whole response: nothing to count
+                self.chunks.append(body)
+        else:
+            self._keep(body)
         start = self.start
         if start is not None and start.get("trailers", False):
             # The response ends with its trailers (ASGI http.response.trailers): they
@@ -493,7 +497,12 @@ class Responder:
                 problem = ResponseNotKept(_NOT_KEPT_DETAIL)
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
-                headers = stored_headers(start.get("headers", []), self.trailers)
+                trailers = self.trailers
+                headers = (
+                    storable_headers(start.get("headers", ()))
+                    if trailers is None
+                    else stored_headers(start.get("headers", ()), trailers)
+                )
                 stored = StoredResponse(status, headers, content)
             if execution.tx is None:
                 # The effect happened: a store that fails to record it gets the
