@@ -22,7 +22,8 @@
 - ``redis``: :class:`IdempotencyMiddleware` on :class:`RedisStore` (``BENCH_REDIS_URL``);
 - ``floor_redis``: the same guard on raw redis-py doing the same two commands (a claim
   script and a complete script, ``EVALSHA`` each);
-- ``peer_*``: another library's Redis-backed guard on the same route (``bench/peers.py``).
+- ``peer_*``: another library's guard on the same route (``bench/peers.py``): Redis-backed
+  ones, and idemkit on Postgres and on Redis (``peer_idemkit_pg``, ``peer_idemkit_redis``).
 
 The floors on a networked store (asyncpg, asyncmy, redis-py) hold one open connection
 per load connection, ``BENCH_FLOOR_POOL_SIZE`` (the harness sets it to wrk's ``-c``;
@@ -547,5 +548,8 @@ def create() -> Starlette:
     if variant.startswith("peer_"):  # another library's guard (bench/peers.py)
         from bench import peers
 
-        return peers.create(variant, redis_url, lifespan, ROUTES, health)
+        return peers.create(
+            variant, redis_url, lifespan, ROUTES, health,
+            pg_url.replace("ssl=disable", "sslmode=disable"),
+        )  # fmt: skip
     return Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan)

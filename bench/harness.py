@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,11 @@ def run_wrk(
     duration: float,
     connections: int,
     threads: int,
+    store: Callable[[], list[int]] | None = None,
 ) -> dict[str, Any]:
+    """One wrk cell on ``server``: req/s, latencies, statuses, and the CPU per request of
+    the app's process (``cpu_us``) and, given ``store`` (the store server's processes,
+    listed afresh before and after the cell), of the store's server (``store_cpu_us``)."""
     nonce = uuid.uuid4().hex[:12]
     post(server.base_url, f"{nonce}-replay", b'{"amount": 4500, "currency": "EUR"}')
     cmd = [
@@ -96,9 +101,16 @@ def run_wrk(
         "--timeout", "10s",
         "-s", str(HERE / "wrk" / "guard.lua"), server.base_url, "--", workload, nonce,
     ]  # fmt: skip
+    store_before = processes_cpu(store()) if store is not None else {}
     cpu_before = cpu_seconds(server.process.pid)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     cpu = cpu_seconds(server.process.pid) - cpu_before
+    store_cpu = None
+    if store is not None:
+        after = processes_cpu(store())
+        # A process that started during the cell counts from zero; one that ended
+        # during it is lost (a backend's connection closed mid-cell: none in a warm pool).
+        store_cpu = sum(t - store_before.get(pid, 0.0) for pid, t in after.items())
     line = next((x for x in out.splitlines() if x.startswith("BENCH_JSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no result:\n{out}")
@@ -107,7 +119,43 @@ def run_wrk(
     # The app's own CPU per request: with two cores shared by the app, its store's
     # server and wrk, req/s moves with the neighbours; CPU per request much less.
     data["cpu_us"] = cpu * 1e6 / max(1, data["requests"])
+    if store_cpu is not None:
+        data["store_cpu_us"] = store_cpu * 1e6 / max(1, data["requests"])
     return data
+
+
+def processes_cpu(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each of ``pids`` still running."""
+    out: dict[int, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            out[pid] = cpu_seconds(pid)
+    return out
+
+
+def _processes(match: Callable[[str, bytes], bool]) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            comm = (entry / "comm").read_text().strip()
+            if match(comm, (entry / "cmdline").read_bytes()):
+                pids.append(int(entry.name))
+    return pids
+
+
+def postgres_processes() -> list[int]:
+    """Every process of the Postgres server on this machine (``/proc``): the backends of
+    every connection, and the writer, checkpointer and autovacuum, whose work a cell's
+    writes cause too. Linux; the server must run here (loopback)."""
+    return _processes(lambda comm, _cmdline: comm in ("postgres", "postmaster"))
+
+
+def redis_processes(port: int) -> list[int]:
+    """The ``redis-server`` listening on loopback ``port`` (its title names the port)."""
+    mark = f":{port}".encode()
+    return _processes(lambda comm, cmdline: comm == "redis-server" and mark in cmdline)
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

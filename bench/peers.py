@@ -17,6 +17,13 @@ peers cache a handler's *return value*, not a ``Response``, so they guard a Fast
 route doing the same work and returning the same JSON as a dict (FastAPI serializes it).
 
 Dropped (bench/results/NOTES.md, "Redis peers"): ``kasper-idempotent``.
+
+idemkit, the best peer measured (issue #43's target is twice its req/s), runs on
+Postgres and on Redis (``peer_idemkit_pg``, ``peer_idemkit_redis``): its own ASGI
+middleware in front of the very same Starlette handler, each backend built with its
+``from_url`` as its README shows (its default pool and timeouts), single-tenant (as
+ours, ``ANONYMOUS``), a 24 h record, a key required on POST. Its version is pinned in
+``bench/requirements.txt``, which :func:`ensure_installed` installs.
 """
 
 # No ``from __future__ import annotations``: FastAPI resolves the decorator peers'
@@ -31,6 +38,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from starlette.applications import Starlette
@@ -45,19 +53,33 @@ PEERS: dict[str, tuple[str, str]] = {
     ),
     "peer_fastidempotent": ("fastidempotent[redis]==0.1.0", "fastidempotent"),
 }
+# The best peer, on Postgres and on Redis: installed from bench/requirements.txt.
+IDEMKIT = {"peer_idemkit_pg": "idemkit", "peer_idemkit_redis": "idemkit"}
+REQUIREMENTS = Path(__file__).resolve().parent / "requirements.txt"
 # Each peer on its own Redis database (ours and the floor share 0, on their own prefixes).
-PEER_DB = {name: i for i, name in enumerate(PEERS, start=1)}
+PEER_DB = {name: i for i, name in enumerate([*PEERS, "peer_idemkit_redis"], start=1)}
 LABELS = {
     "peer_mobius": "mobius",
     "peer_pyidempotent": "pyidempotent",
     "peer_fastapi_idempotency_key": "fastapi-idem",
     "peer_fastidempotent": "fastidempot",
+    "peer_idemkit_pg": "idemkit, PG",
+    "peer_idemkit_redis": "idemkit, Redis",
 }
 TTL_S = 24 * 3600
 
 
 def ensure_installed(variants: list[str]) -> None:
     """pip-install the peers named in ``variants`` that the running venv lacks."""
+    if any(v in IDEMKIT for v in variants) and importlib.util.find_spec("idemkit") is None:
+        print(
+            f"bench: installing {REQUIREMENTS.name} into {sys.prefix} (bench only, not "
+            "dependencies of asgi-idempotency)",
+            file=sys.stderr,
+            flush=True,
+        )
+        pip = [sys.executable, "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]
+        subprocess.run(pip, check=True)
     missing = [
         PEERS[v][0]
         for v in variants
@@ -85,11 +107,18 @@ async def _refund_dict(order_id: str, payload: dict[str, Any]) -> dict[str, Any]
     return {"refund_id": str(uuid.uuid4()), "order_id": order_id, "amount": payload["amount"]}
 
 
-def create(variant: str, redis_url: str, lifespan: Any, routes: Any, health: Any) -> Starlette:
-    """The refund app guarded by the peer ``variant``, on its own database of ``redis_url``;
-    ``routes`` and ``health`` are bench/app.py's, passed in so this module imports none of it.
+def create(
+    variant: str, redis_url: str, lifespan: Any, routes: Any, health: Any, pg_url: str = ""
+) -> Starlette:
+    """The refund app guarded by the peer ``variant``, on its own database of ``redis_url``
+    (idemkit on Postgres: its own table in ``pg_url``'s database); ``routes`` and
+    ``health`` are bench/app.py's, passed in so this module imports none of it.
     """
+    if variant == "peer_idemkit_pg":
+        return _idemkit(variant, pg_url, routes, lifespan)
     url = _db_url(redis_url, variant)
+    if variant == "peer_idemkit_redis":
+        return _idemkit(variant, url, routes, lifespan)
     if variant == "peer_fastapi_idempotency_key":
         return _fastapi_idempotency_key(url, routes, lifespan)
     if variant == "peer_fastidempotent":
@@ -99,6 +128,33 @@ def create(variant: str, redis_url: str, lifespan: Any, routes: Any, health: Any
     if variant == "peer_pyidempotent":
         return _pyidempotent(url, health, lifespan)
     raise ValueError(f"unknown BENCH_VARIANT {variant!r}")
+
+
+def _idemkit(variant: str, url: str, routes: list[Any], lifespan: Any) -> Starlette:
+    from starlette.middleware import Middleware
+
+    ik = importlib.import_module("idemkit")
+    init: Any = None
+    if variant == "peer_idemkit_pg":
+        pg = importlib.import_module("idemkit.backends.postgres")
+        backend = pg.PostgresBackend.from_url(url)
+        init = pg.init_pg  # its table, created as its CLI's ``init`` does
+    else:
+        backend = importlib.import_module("idemkit.backends.redis").RedisBackend.from_url(url)
+    config = ik.HttpConfig(
+        scope_mode="single_tenant", require_key_for_mutations=True,
+        expires_after_seconds=float(TTL_S),
+    )  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def with_schema(app: Starlette) -> AsyncIterator[None]:
+        if init is not None:
+            await init(url)
+        async with lifespan(app):
+            yield
+
+    middleware = [Middleware(ik.IdempotencyMiddleware, backend=backend, config=config)]
+    return Starlette(routes=routes, middleware=middleware, lifespan=with_schema)
 
 
 def _fastapi_idempotency_key(url: str, routes: list[Any], lifespan: Any) -> Starlette:

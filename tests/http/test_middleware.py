@@ -158,8 +158,8 @@ def test_hop_by_hop_headers_and_those_connection_names_are_not_stored() -> None:
         (b"X-Request-Id", b"r-1"),
         (b"set-cookie", b"s=1"),
     ]
-    json_type = (b"Content-Type", b"application/json")
-    assert storable_headers(sent) == (json_type, (b"X-Request-Id", b"r-1"))
+    json_type = (b"content-type", b"application/json")  # stored ready to send: lower case
+    assert storable_headers(sent) == (json_type, (b"x-request-id", b"r-1"))
     assert storable_headers(sent[:1]) == (json_type,)
 
 

@@ -215,3 +215,19 @@ async def test_send_replay_splits_the_stored_trailers_off() -> None:
     assert [n for n, _ in sent[0]["headers"]] == [
         b"content-type", b"idempotent-replayed", b"content-length",
     ]  # fmt: skip
+
+
+async def test_send_replay_counts_the_body_of_a_record_stored_with_its_length() -> None:
+    # Records stored before headers were kept ready to send carry the app's Content-Length
+    # (in the app's case): the replay sends one, its own.
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    headers = ((b"Content-Type", b"text/plain"), (b"Content-Length", b"99"))
+    await send_replay(send, StoredResponse(200, headers, b"ok"), [])
+    assert sent[0]["headers"] == [
+        (b"Content-Type", b"text/plain"), (b"idempotent-replayed", b"true"),
+        (b"content-length", b"2"),
+    ]  # fmt: skip

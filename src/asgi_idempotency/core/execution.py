@@ -179,7 +179,8 @@ class Runner(Generic[_Observer]):
                 self.observer.annotate(span, waited=True)
         if not claim.owned:
             return Execution(claim, now, key, "", route, terms)
-        self._taken_over(claim, route, key, span)
+        if claim.outcome is ClaimOutcome.TAKEN_OVER:
+            self._taken_over(claim, route, key, span)
         renewal = self.renewals.start(key, token, terms.lease, terms.renew_every, route)
         if wait is not None:
             self.waiters.hold(key)  # duplicates here wait to hear of its end, not the store
@@ -229,7 +230,7 @@ class Runner(Generic[_Observer]):
                 self.observer.annotate(span, taken_over=True)
             self.observer.takeover(route)
 
-    async def _claim_as(
+    def _claim_as(
         self,
         claimant: lifecycle.Claimant,
         key: str,
@@ -241,8 +242,12 @@ class Runner(Generic[_Observer]):
         scope: str | None,
         span: Any,
         now: datetime | None = None,
-    ) -> Claim:
-        """One claim of ``key`` for ``token``: a round trip (two to take over)."""
+    ) -> Coroutine[Any, Any, Claim]:
+        """One claim of ``key`` for ``token``: a round trip (two to take over), to await.
+
+        A plain function: the common case hands back :func:`.lifecycle.claim`'s own
+        coroutine, one frame less per request than awaiting it here.
+        """
         if now is None:
             now = self.clock()
         claiming = lifecycle.claim(
@@ -259,7 +264,10 @@ class Runner(Generic[_Observer]):
             route=None if scope is None else route[:MAX_ROUTE_LENGTH],
         )
         if span is None and not self.observer.timing:
-            return await claiming  # the common case: no span, no timing, no context
+            return claiming  # the common case: no span, no timing, no context
+        return self._timed(claiming, span)
+
+    async def _timed(self, claiming: Coroutine[Any, Any, Claim], span: Any) -> Claim:
         with self.observer.store_call("claim", span):
             return await claiming
 
@@ -332,7 +340,8 @@ class Runner(Generic[_Observer]):
             )  # fmt: skip
             self.settled(execution)
             return
-        self.settled(execution)
+        if execution.wait is not None:  # settled(), inlined: no one waits on most keys
+            self.waiters.settled(key)
         if not owned:
             self.observer.log(logging.ERROR, "idempotency.claim_lost", execution.route, key,
                               phase="complete")  # fmt: skip

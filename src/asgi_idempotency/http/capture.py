@@ -2,6 +2,10 @@
 sending a stored response. Holding the app's response back until it is complete (or
 streaming it) is the :class:`~.responder.Responder`'s.
 
+Headers are stored ready to send: names in lower case (as HTTP/2 and the ASGI servers
+send them) and no Content-Length, so a replay appends its own two headers and re-encodes
+nothing (:func:`send_replay`).
+
 Trailers (ASGI's ``http.response.trailers``: gRPC's ``grpc-status``, a checksum computed
 while streaming) are stored after the headers, each name behind :data:`TRAILER_PREFIX`,
 so every store keeps them in the column or field it keeps headers in.
@@ -13,15 +17,17 @@ import gzip
 import zlib
 from collections.abc import Iterable
 
-from asgi_idempotency.http.asgi import Headers, Send, send_response
+from asgi_idempotency.http.asgi import Headers, Send, send_ready
 from asgi_idempotency.stores.base import StoredResponse
 
 __all__ = ["TRAILER_PREFIX", "send_replay", "storable_headers", "stored_headers"]
 
 # Never stored or replayed: hop-by-hop (RFC 9110 §7.6.1), Date (the replay is sent now),
-# Set-Cookie (a replayed session cookie is a session handed to whoever holds the key).
+# Set-Cookie (a replayed session cookie is a session handed to whoever holds the key),
+# Content-Length (a replay counts the body it sends).
 _UNSTORED = frozenset(
     {
+        b"content-length",
         b"connection",
         b"keep-alive",
         b"proxy-authenticate",
@@ -43,22 +49,22 @@ _TRAILER_MARK = TRAILER_PREFIX[:1]
 
 
 def storable_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[bytes, bytes], ...]:
-    """The response headers that may be replayed to a later request with the same key."""
+    """The response headers that may be replayed to a later request with the same key,
+    ready to send: names in lower case, no Content-Length."""
     kept: list[tuple[bytes, bytes]] = []
     named: set[bytes] | None = None
-    for header in headers:
-        name = header[0]
+    for name, value in headers:
         lowered = name.lower()
         if lowered in _UNSTORED or lowered.startswith(b"access-control-"):
             # Access-Control-*: per origin, from CORS middleware that belongs outside the
             # guard; replayed, one origin's grant would reach another.
             if lowered == b"connection":  # the headers it names are hop-by-hop too
                 named = named or set()
-                named.update(v.strip().lower() for v in header[1].split(b","))
+                named.update(v.strip().lower() for v in value.split(b","))
             continue
-        kept.append(header if type(header) is tuple else (name, header[1]))
+        kept.append((lowered, value))
     if named:
-        return tuple((n, v) for n, v in kept if n.lower() not in named)
+        return tuple(h for h in kept if h[0] not in named)
     return tuple(kept)
 
 
@@ -95,17 +101,27 @@ async def send_replay(
             skip = len(TRAILER_PREFIX)
             stored_trailers = [(n[skip:], v) for n, v in headers[cut:]]
         headers = headers[:cut]
+    # A record stored with its Content-Length (stored before headers were kept ready to
+    # send): sent without it, counted afresh.
+    counted = False
     for name, value in headers:
-        # The first byte first: most names are not "content-encoding" in any case.
-        if name[:1] in b"cC" and name.lower() == b"content-encoding":
+        # The first byte first: most names are neither "content-encoding" nor "-length".
+        if name[:1] not in b"cC":
+            continue
+        lowered = name.lower()
+        if lowered == b"content-length":
+            counted = True
+        elif lowered == b"content-encoding":
             coding = value.strip().lower()
             if coding not in (b"", b"identity") and not _accepts(request_headers, coding):
                 decoded = _decode(coding, body)
                 if decoded is not None:
                     body = decoded
                     headers = tuple(h for h in headers if h[0].lower() != b"content-encoding")
-            break
-    await send_response(send, response.status, [*headers, _REPLAYED], body, stored_trailers)
+    if counted:
+        headers = tuple(h for h in headers if h[0].lower() != b"content-length")
+    out = [*headers, _REPLAYED, (b"content-length", b"%d" % len(body))]
+    await send_ready(send, response.status, out, body, stored_trailers)
 
 
 def _accepts(headers: Headers, coding: bytes) -> bool:

@@ -50,7 +50,8 @@ from asgi_idempotency.http.problems import (
 )
 from asgi_idempotency.http.readiness import Readiness
 from asgi_idempotency.http.request import guard_headers, host_scope, read_body, replay_body
-from asgi_idempotency.http.responder import GUARD_SCOPE_KEY, GuardedRequest, Responder, Runtime
+from asgi_idempotency.http.responder import GUARD_SCOPE_KEY, GuardedRequest, Responder
+from asgi_idempotency.http.runtime import Runtime
 from asgi_idempotency.integrations.appcheck import StartupReport, inspect_app
 from asgi_idempotency.integrations.openapi import guard_of_for, install_openapi
 from asgi_idempotency.observability.metrics import MetricsSink, MetricsSnapshot, Outcome

@@ -45,3 +45,15 @@ STARTUP_FAILED_DETAIL = (
     "The app's startup failed, so this request was not processed; the reason is in the "
     "server's log."
 )
+MISMATCH_DETAIL = (
+    "This Idempotency-Key was already used with a different request "
+    "(method, path, query or body). Use a new key for a new operation."
+)
+IN_PROGRESS_DETAIL = (
+    "A request with this Idempotency-Key is still being processed; "
+    "retry after the Retry-After interval to get its response."
+)
+NOT_KEPT_DETAIL = (
+    "The request with this Idempotency-Key was processed once; its response was "
+    "streamed and too large to keep, so it cannot be replayed."
+)

@@ -33,8 +33,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 from asgi_idempotency.core import lifecycle
@@ -46,18 +44,23 @@ from asgi_idempotency.core.errors import (
     StoreError,
     StoreUnavailable,
 )
-from asgi_idempotency.core.execution import Execution, Runner
-from asgi_idempotency.core.keys import scope_digest, scoped_key
+from asgi_idempotency.core.execution import Execution
+from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.core.lifecycle import Claim, ClaimOutcome
-from asgi_idempotency.http.asgi import ASGIApp, Message, Receive, Scope, Send
-from asgi_idempotency.http.capture import send_replay, stored_headers
-from asgi_idempotency.http.problems import send_problem
+from asgi_idempotency.http.asgi import Message, Receive, Scope, Send
+from asgi_idempotency.http.capture import send_replay, storable_headers, stored_headers
+from asgi_idempotency.http.problems import (
+    IN_PROGRESS_DETAIL,
+    MISMATCH_DETAIL,
+    NOT_KEPT_DETAIL,
+    send_problem,
+)
 from asgi_idempotency.http.request import GuardedRequest
+from asgi_idempotency.http.runtime import Runtime
 from asgi_idempotency.observability import tracing
 from asgi_idempotency.observability.metrics import Outcome
-from asgi_idempotency.observability.observer import Observer, logger
-from asgi_idempotency.observability.regenerated import RegeneratedKeys
-from asgi_idempotency.stores.base import Store, StoredResponse
+from asgi_idempotency.observability.observer import logger
+from asgi_idempotency.stores.base import StoredResponse
 
 __all__ = ["GUARD_SCOPE_KEY", "GuardAnswered", "GuardedRequest", "Responder", "Runtime"]
 
@@ -71,46 +74,6 @@ GUARD_SCOPE_KEY = "asgi_idempotency.http.responder"
 STREAM_KEEP_LIMIT = 1024 * 1024
 _PATHSEND = "http.response.pathsend"
 _TRAILERS = "http.response.trailers"
-
-
-class Runtime:
-    """What every request of one middleware shares: the runner (the store, the clock, the
-    settings), the app, the service's namespace and the regenerated-key detector."""
-
-    __slots__ = ("app", "namespace", "regenerated", "runner")
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        store: Store,
-        *,
-        clock: Callable[[], datetime],
-        fail_open: bool,
-        retry_after: float,
-        observer: Observer,
-        namespace: str = "",
-    ) -> None:
-        self.runner = Runner(
-            store, clock=clock, fail_open=fail_open, retry_after=retry_after, observer=observer
-        )
-        self.app = app
-        self.namespace = namespace  # the service's namespace in every key ("": none)
-        # The opt-in regenerated-key detector (regenerated.py); None costs one check.
-        self.regenerated: RegeneratedKeys | None = None
-
-
-_MISMATCH_DETAIL = (
-    "This Idempotency-Key was already used with a different request "
-    "(method, path, query or body). Use a new key for a new operation."
-)
-_IN_PROGRESS_DETAIL = (
-    "A request with this Idempotency-Key is still being processed; "
-    "retry after the Retry-After interval to get its response."
-)
-_NOT_KEPT_DETAIL = (
-    "The request with this Idempotency-Key was processed once; its response was "
-    "streamed and too large to keep, so it cannot be replayed."
-)
 
 
 class _State(enum.Enum):
@@ -174,7 +137,8 @@ class Responder:
             if execution is not None:
                 # However the claim ended (a no-op once it was completed or released):
                 # waiters hear of it, and a transaction still open rolls back.
-                self.runner.settled(execution)
+                if execution.wait is not None:
+                    self.runner.settled(execution)
                 if execution.tx is not None:
                     await self.runner.close(execution)
 
@@ -266,7 +230,7 @@ class Responder:
                 # Report-only mode answers what it finds at once, as without the guard.
                 wait=None if report else policy.wait,
                 # For the audit, on every guarded request: digests and the template only.
-                scope=scope_digest(req.principal or "", req.host, self.rt.namespace),
+                scope=self.rt.scope_digest(req.principal or "", req.host),
             )  # fmt: skip
         except StoreError as exc:
             await self._unavailable(exc, "claim")
@@ -412,7 +376,11 @@ class Responder:
             self._keep(body)
             await self.send(message)
             return
-        self._keep(body)
+        if not self.streaming:
+            if body:  # _keep(), inlined for the usual whole response: nothing to count
+                self.chunks.append(body)
+        else:
+            self._keep(body)
         start = self.start
         if start is not None and start.get("trailers", False):
             # The response ends with its trailers (ASGI http.response.trailers): they
@@ -440,8 +408,9 @@ class Responder:
         sent as they came); ``None`` when the whole response is still held here, or
         when the stream's final body went out and only its trailers are left.
         """
+        # No _stop_renewal() here: complete() and release() stop it first thing, with
+        # no await before (a transaction's claim has none).
         self.state = _State.FINISHING
-        self._stop_renewal()
         start = self.start
         assert start is not None
         status: int = start["status"]
@@ -458,10 +427,15 @@ class Responder:
                 return
         else:
             if self.kept > STREAM_KEEP_LIMIT:
-                problem = ResponseNotKept(_NOT_KEPT_DETAIL)
+                problem = ResponseNotKept(NOT_KEPT_DETAIL)
                 stored = StoredResponse(problem.status, tuple(problem.headers()), problem.body())
             else:
-                headers = stored_headers(start.get("headers", []), self.trailers)
+                trailers = self.trailers
+                headers = (
+                    storable_headers(start.get("headers", ()))
+                    if trailers is None
+                    else stored_headers(start.get("headers", ()), trailers)
+                )
                 stored = StoredResponse(status, headers, content)
             if execution.tx is None:
                 # The effect happened: a store that fails to record it gets the
@@ -575,11 +549,11 @@ class Responder:
             if logger.isEnabledFor(logging.INFO):
                 self._log(logging.INFO, "idempotency.mismatch", outcome=Outcome.MISMATCH.value)
             observer.outcome(route, Outcome.MISMATCH)
-            await send_problem(self.send, KeyMismatch(_MISMATCH_DETAIL))
+            await send_problem(self.send, KeyMismatch(MISMATCH_DETAIL))
         else:
             wait = self.runner.in_progress_wait(execution)
             observer.outcome(route, Outcome.IN_PROGRESS)
-            await send_problem(self.send, RequestInProgress(_IN_PROGRESS_DETAIL, retry_after=wait))
+            await send_problem(self.send, RequestInProgress(IN_PROGRESS_DETAIL, retry_after=wait))
 
 
 class GuardAnswered(Exception):
