@@ -45,7 +45,7 @@ disappear with no prune job; :meth:`RedisStore.prune` deletes the few whose
 
 Driver errors (unreachable, timed out, ``READONLY``, ``CLUSTERDOWN``, ``TRYAGAIN``,
 ``MOVED`` that would not settle, ``OOM``) become :class:`StoreError` at one boundary,
-:data:`REDIS_ERRORS` (the SQL stores' :class:`~.sqlerrors.ErrorBoundary`), so the
+:data:`REDIS_ERRORS` (an :class:`~.errors.ErrorBoundary` of redis-py's types), so the
 middleware's 503 fail-closed path applies unchanged; anything else (a bug of ours, a
 record we cannot decode) propagates as itself, a logged 500, never passing for an outage.
 
@@ -80,8 +80,8 @@ from asgi_idempotency.stores.base import (
 from asgi_idempotency.stores.batching import Batcher, BatchStats
 from asgi_idempotency.stores.codec import decode_headers, encode_headers
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
+from asgi_idempotency.stores.errors import ErrorBoundary
 from asgi_idempotency.stores.loops import LoopTenure
-from asgi_idempotency.stores.sql.errors import ErrorBoundary
 from asgi_idempotency.stores.urls import (
     ACCEPTED,
     REDIS_CLUSTER_SCHEMES,

@@ -15,10 +15,11 @@ host of a multi-host URL. The full table: docs/guide/postgres.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 __all__ = [
     "ACCEPTED",
@@ -169,6 +170,11 @@ def _query_hosts(parsed: URL) -> URL:
 
 
 def _parse(url: str) -> URL:
+    # SQLAlchemy only here and in redact(): RedisStore reads this module's Redis
+    # schemes and host lists, and must not load SQLAlchemy to do it.
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         return make_url(_libpq_hosts(url))
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
@@ -245,6 +251,9 @@ def redact(url: str) -> str:
     replaced too. A URL that cannot be parsed is not shown at all (it might hold a
     password where the parser did not expect one).
     """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         if host_list(url, PG_PORT) is not None:
             return _redact_hosts(url)
