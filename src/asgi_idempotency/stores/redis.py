@@ -62,7 +62,7 @@ import functools
 import heapq
 import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -75,13 +75,13 @@ from asgi_idempotency.stores.base import (
     NewClaim,
     Record,
     RecordStatus,
+    StoreBase,
     StoredResponse,
 )
 from asgi_idempotency.stores.batching import Batcher, BatchStats
 from asgi_idempotency.stores.codec import decode_headers, encode_headers
 from asgi_idempotency.stores.duplicates import Sighting, SuspectedDuplicate, group_sightings
 from asgi_idempotency.stores.errors import ErrorBoundary
-from asgi_idempotency.stores.loops import LoopTenure
 from asgi_idempotency.stores.urls import (
     ACCEPTED,
     REDIS_CLUSTER_SCHEMES,
@@ -517,7 +517,7 @@ def _sentinel_client(url: str, options: dict[str, Any]) -> aioredis.Redis:
     return client
 
 
-class RedisStore:
+class RedisStore(StoreBase):
     """Records as Redis hashes, each primitive one Lua script call (one round trip).
 
     Args:
@@ -573,6 +573,8 @@ class RedisStore:
             ``wait_replicas``/``wait_timeout`` given both in the URL and as an argument,
             with different values.
     """
+
+    errors = REDIS_ERRORS  # redis-py's boundary, declared above
 
     def __init__(
         self,
@@ -660,10 +662,6 @@ class RedisStore:
         # the one task that releases them (see _orphaned).
         self._orphans: dict[tuple[str, str], list[float]] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        # The loop the client's connections belong to, and what closes them on it (see
-        # _enter); None until the store is first used.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tenure: LoopTenure | None = None
         # Scripts are called by their sha through whichever client is current; the
         # client they were registered with only lends them its encoder.
         register = self.client.register_script
@@ -674,15 +672,15 @@ class RedisStore:
         self._renew = register(_RENEW)
         self._prune = register(_PRUNE)
 
-    def _enter(self) -> None:
-        """Serve from the running loop, which is not the one the connections belong to.
+    def _connect(self, *, moved: bool) -> Callable[[], Awaitable[None]]:
+        """This loop's client (:meth:`StoreBase._bound`), and what closes it on this loop.
 
-        Every entry point calls this when ``asyncio.get_running_loop()`` is not
-        ``self._loop``: the only cost of the check on the hot path. Our own client is
-        rebuilt for this loop (a passed client is the caller's to manage), with fresh
-        node clients and locks; the old ones are closed on their loop by its tenure.
+        Every entry point calls :meth:`_bound`, which calls this on a loop other than
+        the one the connections belong to. Our own client is rebuilt for this loop (a
+        passed client is the caller's to manage), with fresh node clients and locks;
+        the old ones are closed on their loop by its tenure.
         """
-        if self._tenure is not None:
+        if moved:
             if self._url is not None:
                 self.client = _make_client(self._url, self._command_timeout)
             self._node_clients = {}
@@ -693,8 +691,7 @@ class RedisStore:
         # A batcher's task and futures belong to the loop it first ran on.
         self._batchers = {}
         own = self.client if self._owns_client else None
-        self._tenure = LoopTenure(functools.partial(_close_clients, own, self._node_clients))
-        self._loop = self._tenure.loop
+        return functools.partial(_close_clients, own, self._node_clients)
 
     def _encoder(self) -> Any:
         if isinstance(self.client, RedisCluster):
@@ -715,8 +712,7 @@ class RedisStore:
                 self._cold = False
 
     async def _run(self, script: AsyncScript, key: str, args: Sequence[Any], size: int = 0) -> Any:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         if self._cold:
             await self._warm()
         try:
@@ -1076,8 +1072,7 @@ class RedisStore:
     # Off the hot path: SCAN over every primary (admin tools and tests).
 
     async def get(self, key: str) -> Record | None:
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         if self._cold:
             await self._warm()
         row = await _call(self.client.hmget(self._key(key), _FIELDS), self._timeout)
@@ -1085,8 +1080,7 @@ class RedisStore:
 
     async def _scan(self, match: str) -> AsyncIterator[bytes]:
         # On a cluster redis-py's scan_iter walks every primary.
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         if self._cold:
             await self._warm()
         names = aiter(self.client.scan_iter(match=match, count=_SCAN_COUNT))
@@ -1111,8 +1105,7 @@ class RedisStore:
 
     async def _fields(self, names: Sequence[bytes], *fields: str) -> list[list[Any]]:
         """HMGET ``fields`` of each key in one pipeline (per node, on a cluster)."""
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         pipe: Any = self.client.pipeline(transaction=False)
         for name in names:
             pipe.hmget(name, fields)
@@ -1134,8 +1127,7 @@ class RedisStore:
         """``now`` in microseconds, or the server's time (one server's, on a cluster)."""
         if now is not None:
             return _us(now)
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         seconds, micros = await _call(self.client.time(), self._timeout)
         return int(seconds) * 1_000_000 + int(micros)
 
@@ -1206,8 +1198,7 @@ class RedisStore:
         """
         at, deleted = await self._server_us(now), 0
         cutoff = "" if now is None else at
-        if asyncio.get_running_loop() is not self._loop:
-            self._enter()
+        self._bound()
         # Pipelined EVALSHA does not reload a missing script: load it first (every
         # primary, on a cluster).
         script = self._prune
@@ -1239,12 +1230,9 @@ class RedisStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await sweeper
         self._orphans = {}
-        tenure, self._tenure, self._loop = self._tenure, None, None
-        if tenure is None:  # never used: nothing is open, but close what was built
+        if await self._end_loop() is None:  # never used: nothing is open, but close what was built
             await _close_clients(self.client if self._owns_client else None, self._node_clients)
-        elif tenure.loop is asyncio.get_running_loop():
-            await tenure.end()
-        # Else the connections are another loop's, closed as that loop shuts down.
+        # False: the connections are another loop's, closed as that loop shuts down.
 
 
 async def _pipe(target: aioredis.Redis, batch: Sequence[_Op]) -> list[Any]:
