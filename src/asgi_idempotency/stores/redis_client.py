@@ -16,13 +16,13 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from asgi_idempotency.core.errors import StoreError
 from asgi_idempotency.stores.errors import ErrorBoundary
-from asgi_idempotency.stores.urls import (
-    ACCEPTED,
+from asgi_idempotency.stores.registry import (
     REDIS_CLUSTER_SCHEMES,
     REDIS_SCHEMES,
     REDIS_SENTINEL_SCHEMES,
-    host_list,
+    accepted,
 )
+from asgi_idempotency.stores.urls import host_list
 
 try:
     import redis.asyncio as aioredis
@@ -134,7 +134,7 @@ def _split_url(url: str) -> tuple[str, bool]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES:
-        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use {ACCEPTED}")
+        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use {accepted()}")
     cluster = scheme in REDIS_CLUSTER_SCHEMES
     query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k not in _STORE_OPTIONS])
     return urlunsplit(parts._replace(scheme=scheme.partition("+")[0], query=query)), cluster
@@ -180,13 +180,13 @@ def _sentinel_client(url: str, options: dict[str, Any]) -> aioredis.Redis:
     if hosts is None:
         host, port = parts.hostname, parts.port
         if not host:
-            raise ValueError(f"a Sentinel URL names its Sentinels as host:port: use {ACCEPTED}")
+            raise ValueError(f"a Sentinel URL names its Sentinels as host:port: use {accepted()}")
         hosts = [(host, port or SENTINEL_PORT)]
     service, _, db = parts.path.strip("/").partition("/")
     if not service or (db and not db.isdigit()):
         raise ValueError(
             "a Sentinel URL names the master's service and, optionally, the database "
-            f"after the Sentinels (redis+sentinel://h1:26379,h2:26379/mymaster/0): use {ACCEPTED}"
+            f"after the Sentinels (redis+sentinel://h1:26379,h2:26379/mymaster/0): use {accepted()}"
         )
     userinfo = parts.netloc.rpartition("@")[0]
     user, colon, password = userinfo.partition(":")
