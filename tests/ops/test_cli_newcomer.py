@@ -19,6 +19,9 @@ import asgi_idempotency
 from asgi_idempotency.core.lifecycle import claim
 from asgi_idempotency.ops.cli import Exit, main
 from asgi_idempotency.ops.demo import SCRATCH_PREFIX
+from asgi_idempotency.stores import registry, urls
+from asgi_idempotency.stores.memory import MemoryStore
+from asgi_idempotency.stores.registry import StoreKind, kinds, register
 from asgi_idempotency.stores.sql.store import SQLStore
 from asgi_idempotency.stores.urls import ACCEPTED, REDIS_SCHEMES, async_url
 from tests.conftest import PgServer, backdate
@@ -48,7 +51,18 @@ EVERY_SCHEME = {
 
 
 def test_the_one_list_names_every_scheme_the_package_takes() -> None:
-    assert _schemes(ACCEPTED) == EVERY_SCHEME
+    # The registry's list: ours, and those of any kind registered meanwhile (an
+    # example's DictStore, imported by another test in this process).
+    registered = {scheme for kind in kinds() for scheme in kind.schemes}
+    assert EVERY_SCHEME <= _schemes(ACCEPTED) <= EVERY_SCHEME | registered
+
+
+def test_the_list_is_the_registrys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "KINDS", list(registry.KINDS))
+    register(StoreKind("mine", ("mine",), MemoryStore))
+    assert "mine://" in urls.ACCEPTED
+    with pytest.raises(ValueError, match="mine://"):
+        async_url("oracle://h/db")
 
 
 def _hint_from_sql_store() -> str:

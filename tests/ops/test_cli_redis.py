@@ -17,7 +17,8 @@ from asgi_idempotency.core.keys import scoped_key
 from asgi_idempotency.core.lifecycle import claim
 from asgi_idempotency.ops.cli import REDIS_MIGRATE, REDIS_PRUNE, Exit, main
 from asgi_idempotency.stores.base import StoredResponse
-from asgi_idempotency.stores.urls import is_redis, redact
+from asgi_idempotency.stores.registry import kind_of
+from asgi_idempotency.stores.urls import redact
 from tests.conftest import backdate, redis_store
 
 pytestmark = pytest.mark.redis
@@ -122,7 +123,10 @@ def test_an_unreachable_redis_is_exit_3_without_the_password(
 
 def test_redis_urls_are_told_apart_and_redacted() -> None:
     for url in ("redis://h:1/0", "REDISS://h", "redis+cluster://h:7000", "rediss+cluster://h"):
-        assert is_redis(url), url
-    for url in ("postgresql://h/db", "sqlite:///x.db", "redis", "rediscluster://h"):
-        assert not is_redis(url), url
+        assert kind_of(url).name == "Redis", url
+    for url in ("postgresql://h/db", "sqlite:///x.db"):
+        assert kind_of(url).name != "Redis", url
+    for url in ("redis", "rediscluster://h"):
+        with pytest.raises(ValueError, match=r"malformed|unsupported"):
+            kind_of(url)
     assert "s3cret" not in redact("redis+cluster://user:s3cret@h:7000")

@@ -6,6 +6,8 @@ imports nothing above it, and at most :data:`MAX_UPWARD` imports climb a floor."
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,3 +208,17 @@ def test_the_tests_mirror_the_package() -> None:
     # testing/ (the public contract kit) is tried where it is used: tests/stores, tests/ops.
     missing = sorted(set(roles) - {"testing"} - folders)
     assert not missing, f"no tests/ folder for the package's {missing}"
+
+
+def test_the_redis_store_loads_no_sql_driver() -> None:
+    """The Redis store declares its own error boundary (redis-py's types): importing it,
+    in a fresh interpreter, loads neither SQLAlchemy nor asyncpg."""
+    probe = (
+        "import sys\n"
+        "import asgi_idempotency.stores.redis\n"
+        "print(sorted(m for m in ('sqlalchemy', 'asyncpg') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

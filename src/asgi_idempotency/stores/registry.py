@@ -16,9 +16,30 @@ from typing import Any
 
 from asgi_idempotency._extras import missing_extra
 from asgi_idempotency.stores.base import Capabilities, Store
-from asgi_idempotency.stores.urls import REDIS_SCHEMES, async_url
 
-__all__ = ["KINDS", "StoreKind", "kind_of", "kinds", "open_store", "register"]
+__all__ = ["KINDS", "StoreKind", "accepted", "kind_of", "kinds", "open_store", "register"]
+
+#: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
+#: Redis Cluster (any one node as ``host:port``; the client discovers the rest).
+#: Redis under Sentinel: the Sentinels as ``host:port,host:port``, then the master's
+#: service name and the database (``redis+sentinel://h1:26379,h2:26379/mymaster/0``).
+#: (Also importable from :mod:`.urls`, their home before the registry listed them.)
+REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+REDIS_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES, *REDIS_SENTINEL_SCHEMES)
+
+# The SQL URL rule (urls.async_url), imported on first use: stores.urls takes the
+# accepted spellings from this registry, so the registry names it rather than import it.
+_SQL_URL = "asgi_idempotency.stores.urls:async_url"
+
+
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``target``, or the attribute a ``"module:attribute"`` string names (imported now)."""
+    if not isinstance(target, str):
+        return target
+    module, _, attribute = target.partition(":")
+    found: Callable[..., Any] = getattr(importlib.import_module(module), attribute)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +59,14 @@ class StoreKind:
         drivers: a ``backend+driver`` scheme is this kind's when ``backend`` is one of
             :attr:`schemes` (SQL URLs: the URL rule then accepts or refuses the driver).
         normalize: the URL as the store reads it (the SQL URL rule,
-            :func:`~asgi_idempotency.stores.urls.async_url`); ``None``: as given.
+            :func:`~asgi_idempotency.stores.urls.async_url`), the callable or
+            ``"module:attribute"``; ``None``: as given.
         lacks: for a capability the kind lacks, why, as the CLI says it
             (``{"prune": "..."}``); a kind without a note gets a generic sentence.
         cli_options: more options for the store the CLI builds (one command at a
             time: the SQL stores' ``pool_size=1``).
+        spelling: how its URLs are written, as every message that lists the accepted
+            URLs shows them (:func:`accepted`); by default its schemes.
     """
 
     name: str
@@ -51,9 +75,10 @@ class StoreKind:
     capabilities: Capabilities = field(default_factory=Capabilities)
     extra: str | None = None
     drivers: bool = False
-    normalize: Callable[[str], str] | None = None
+    normalize: str | Callable[[str], str] | None = None
     lacks: Mapping[str, str] = field(default_factory=dict)
     cli_options: Mapping[str, Any] = field(default_factory=dict)
+    spelling: str = ""
 
     def build(self, url: str, **options: Any) -> Store:
         """A store of this kind on ``url``; ``options`` go to the factory.
@@ -80,7 +105,14 @@ class StoreKind:
         Raises:
             ValueError: the URL is malformed or names a driver the kind refuses.
         """
-        return url if self.normalize is None else self.normalize(url)
+        if self.normalize is None:
+            return url
+        normalized: str = _resolve(self.normalize)(url)
+        return normalized
+
+    def spelled(self) -> str:
+        """How this kind's URLs are written (:attr:`spelling`, else its schemes)."""
+        return self.spelling or " or ".join(f"{scheme}://" for scheme in self.schemes)
 
     def why_not(self, capability: str) -> str:
         """Why this kind lacks ``capability`` (a :class:`~.base.Capabilities` field)."""
@@ -93,24 +125,30 @@ KINDS: list[StoreKind] = [
         "PostgreSQL", ("postgresql", "postgres"), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
         drivers=True,
-        normalize=async_url,
+        normalize=_SQL_URL,
         cli_options={"pool_size": 1},
+        spelling="postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db "
+        "(a primary and its standbys: host1:port,host2:port)",
     ),
     StoreKind(
         "SQLite", ("sqlite",), "asgi_idempotency.stores.sql.store:SQLStore",
-        Capabilities(migrations=True, audit=True), drivers=True, normalize=async_url,
+        Capabilities(migrations=True, audit=True), drivers=True, normalize=_SQL_URL,
         cli_options={"pool_size": 1},
+        spelling="sqlite:///path.db or sqlite+aiosqlite:///path.db (sqlite+aiosqlite:///./x.db "
+        "for a path relative to the working directory)",
     ),
     StoreKind(
         "MariaDB", ("mariadb",), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(transactions=True, migrations=True, audit=True, own_clock=True),
         extra="mysql",
-        drivers=True, normalize=async_url, cli_options={"pool_size": 1},
+        drivers=True, normalize=_SQL_URL, cli_options={"pool_size": 1},
+        spelling="mariadb+asyncmy://user:password@host:port/db",
     ),
     StoreKind(
         "MySQL", ("mysql",), "asgi_idempotency.stores.sql.store:SQLStore",
         Capabilities(migrations=True, audit=True, own_clock=True), extra="mysql", drivers=True,
-        normalize=async_url, cli_options={"pool_size": 1},
+        normalize=_SQL_URL, cli_options={"pool_size": 1},
+        spelling="mysql+asyncmy://user:password@host:port/db",
         lacks={
             "transactions": "MySQL has neither SET STATEMENT nor RETURNING: use a "
             "mariadb+asyncmy:// URL on MariaDB for transactional mode",
@@ -121,6 +159,12 @@ KINDS: list[StoreKind] = [
         "asgi_idempotency.stores.redis:RedisStore",
         Capabilities(prune=False, audit=True, own_clock=True),
         extra="redis",
+        spelling="for RedisStore "
+        + ", ".join(f"{scheme}://host:port" for scheme in REDIS_SCHEMES[:4])
+        + " or "
+        + " or ".join(f"{scheme}://host:port,host:port/service/db" for scheme in REDIS_SCHEMES[4:])
+        + " (rediss: TLS; +cluster: any node of a Redis Cluster; +sentinel: the Sentinels and "
+        "the name of the master they watch)",
         lacks={
             "prune": "Redis expires each record itself when its retention ends (the key's "
             "TTL), so a Redis store needs no prune job",
@@ -148,6 +192,13 @@ def register(kind: StoreKind) -> StoreKind:
     return kind
 
 
+def accepted() -> str:
+    """Every URL spelling the registered kinds take, for every message and help text
+    that shows them (SQLStore, RedisStore, the CLI, alembic's env.py): a user who got
+    the scheme wrong sees the whole list, whichever of them answered."""
+    return "; ".join(kind.spelled() for kind in KINDS)
+
+
 def kinds() -> tuple[StoreKind, ...]:
     """Every registered kind, ours first."""
     return tuple(KINDS)
@@ -172,7 +223,7 @@ def kind_of(url: str) -> StoreKind:
                 return kind
     # The SQL URL rule says what is wrong with it, in its words (malformed, or which
     # schemes are accepted); a URL it would accept has a kind above.
-    async_url(url)
+    _resolve(_SQL_URL)(url)
     raise ValueError(f"unsupported store URL scheme {scheme!r}")  # pragma: no cover
 
 

@@ -2,33 +2,40 @@
 
 A URL that names a database but no driver gets the async one (asyncpg, aiosqlite,
 asyncmy); one that names any other driver is refused with a :class:`ValueError` listing
-the accepted spellings (:data:`ACCEPTED`), as is a SQLite URL with a host where its path
-belongs. libpq's ``?sslmode=`` becomes asyncpg's ``?ssl=``, and libpq's multi-host form
+the accepted spellings (:data:`ACCEPTED`, the registry's :func:`.registry.accepted`), as
+is a SQLite URL with a host where its path belongs. libpq's ``?sslmode=`` becomes
+asyncpg's ``?ssl=``, and libpq's multi-host form
 (``postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write``, a primary and
 its standby as HA guides and cloud consoles write them) becomes the host and port lists
 SQLAlchemy's asyncpg dialect takes (``?host=h1,h2&port=5432,5432``; its own
 ``?host=h1:5432&host=h2:5432`` spelling becomes the same). Redis URLs
-(:data:`REDIS_SCHEMES`) pass through unchanged; :func:`is_redis` tells them apart.
+(:data:`REDIS_SCHEMES`) pass through unchanged; :func:`.registry.kind_of` tells them apart.
 Messages never carry a password: show URLs through :func:`redact`, which shows every
 host of a multi-host URL. The full table: docs/guide/postgres.md.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+# The Redis schemes are the registry's (its Redis line); importable from here as before.
+from asgi_idempotency.stores.registry import REDIS_CLUSTER_SCHEMES as REDIS_CLUSTER_SCHEMES
+from asgi_idempotency.stores.registry import REDIS_SCHEMES as REDIS_SCHEMES
+from asgi_idempotency.stores.registry import REDIS_SENTINEL_SCHEMES as REDIS_SENTINEL_SCHEMES
+from asgi_idempotency.stores.registry import accepted
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 __all__ = [
-    "ACCEPTED",
+    "ACCEPTED",  # noqa: F822 - the registry's list, read when asked (__getattr__)
     "ENV_URL",
     "REDIS_CLUSTER_SCHEMES",
     "REDIS_SCHEMES",
     "REDIS_SENTINEL_SCHEMES",
     "async_url",
     "host_list",
-    "is_redis",
     "redact",
     "sqlite_path",
 ]
@@ -36,36 +43,12 @@ __all__ = [
 #: The environment variable the CLI and alembic's ``env.py`` read the database URL from.
 ENV_URL = "IDEMPOTENCY_DATABASE_URL"
 
-#: URL schemes of :class:`~asgi_idempotency.stores.redis.RedisStore`: one server, or a
-#: Redis Cluster (any one node as ``host:port``; the client discovers the rest).
-#: Redis under Sentinel: the Sentinels as ``host:port,host:port``, then the master's
-#: service name and the database (``redis+sentinel://h1:26379,h2:26379/mymaster/0``).
-REDIS_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-REDIS_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-REDIS_SCHEMES = ("redis", "rediss", *REDIS_CLUSTER_SCHEMES, *REDIS_SENTINEL_SCHEMES)
 
-#: Every URL spelling the package takes, for every message and help text that shows
-#: one (SQLStore, RedisStore, the CLI, alembic's env.py): a user who got the scheme
-#: wrong sees the whole list in one place, whichever of them answered. Redis is listed
-#: from :data:`REDIS_SCHEMES` so that the list cannot miss a scheme ``is_redis`` takes.
-ACCEPTED = (
-    "postgresql://, postgres:// or postgresql+asyncpg://user:password@host:port/db "
-    "(a primary and its standbys: host1:port,host2:port); "
-    "sqlite:///path.db or sqlite+aiosqlite:///path.db (sqlite+aiosqlite:///./x.db for a "
-    "path relative to the working directory); "
-    "mariadb+asyncmy:// or mysql+asyncmy://user:password@host:port/db; for RedisStore "
-    + ", ".join(f"{scheme}://host:port" for scheme in REDIS_SCHEMES[:4])
-    + " or "
-    + " or ".join(f"{scheme}://host:port,host:port/service/db" for scheme in REDIS_SCHEMES[4:])
-    + " (rediss: TLS; +cluster: any node of a Redis Cluster; +sentinel: the Sentinels and "
-    "the name of the master they watch)"
-)
-
-
-def is_redis(url: str) -> bool:
-    """Whether ``url`` names a Redis store (:data:`REDIS_SCHEMES`) rather than a database."""
-    scheme, sep, _ = url.partition("://")
-    return bool(sep) and scheme.lower() in REDIS_SCHEMES
+def __getattr__(name: str) -> str:
+    # ACCEPTED: the list of every kind the registry holds now, ours and any registered.
+    if name == "ACCEPTED":
+        return accepted()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Backend (the part of the scheme before "+") -> (canonical backend, the one async driver).
@@ -169,11 +152,16 @@ def _query_hosts(parsed: URL) -> URL:
 
 
 def _parse(url: str) -> URL:
+    # SQLAlchemy only here and in redact(): RedisStore reads this module's Redis
+    # schemes and host lists, and must not load SQLAlchemy to do it.
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         return make_url(_libpq_hosts(url))
     except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         # The exception's text never repeats the URL (which may hold a password).
-        raise ValueError(f"malformed database URL ({exc}): use {ACCEPTED}") from None
+        raise ValueError(f"malformed database URL ({exc}): use {accepted()}") from None
 
 
 def async_url(url: str) -> str:
@@ -191,12 +179,12 @@ def async_url(url: str) -> str:
     parsed = _parse(url)
     backend, _, driver = parsed.drivername.lower().partition("+")
     if backend not in _ASYNC:
-        raise ValueError(f"unsupported database URL scheme {parsed.drivername!r}: use {ACCEPTED}")
+        raise ValueError(f"unsupported database URL scheme {parsed.drivername!r}: use {accepted()}")
     canonical, async_driver = _ASYNC[backend]
     if driver not in ("", async_driver):
         raise ValueError(
             f"unsupported database URL scheme {parsed.drivername!r}: the store needs the "
-            f"async driver {async_driver}, not {driver}: use {ACCEPTED}"
+            f"async driver {async_driver}, not {driver}: use {accepted()}"
         )
     if canonical == "sqlite" and (parsed.host or parsed.port or parsed.username or parsed.password):
         raise ValueError(_sqlite_form(parsed))
@@ -207,7 +195,7 @@ def async_url(url: str) -> str:
         try:
             parsed = _query_hosts(parsed)
         except ValueError as exc:
-            raise ValueError(f"malformed database URL ({exc}): use {ACCEPTED}") from None
+            raise ValueError(f"malformed database URL ({exc}): use {accepted()}") from None
     return parsed.render_as_string(hide_password=False)
 
 
@@ -219,7 +207,7 @@ def _sqlite_form(parsed: URL) -> str:
     return (
         f"malformed SQLite URL: a SQLite URL has no host, so the path follows three "
         f"slashes (four for an absolute path): sqlite+aiosqlite:///{meant}, as in "
-        f"sqlite+aiosqlite:///./x.db; use {ACCEPTED}"
+        f"sqlite+aiosqlite:///./x.db; use {accepted()}"
     )
 
 
@@ -245,6 +233,9 @@ def redact(url: str) -> str:
     replaced too. A URL that cannot be parsed is not shown at all (it might hold a
     password where the parser did not expect one).
     """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         if host_list(url, PG_PORT) is not None:
             return _redact_hosts(url)
