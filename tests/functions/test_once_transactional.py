@@ -168,3 +168,19 @@ def test_the_docs_example_runs_on_a_migrated_database(pg_url: str, tmp_path: Pat
         [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+async def test_refused_on_redis(rstore: Any) -> None:
+    """Redis keeps no transactions of the database kind: refused when decorating, and at
+    the call, naming transactional mode; the function never runs."""
+    ran: list[str] = []
+    with pytest.raises(ValueError, match="transactional=True needs a store with transactions"):
+        refunder(Once(rstore), ran, [])
+
+    async def refund(order: str, *, session: AsyncSession) -> str:
+        ran.append(order)
+        return order
+
+    with pytest.raises(ValueError, match="transactional"):
+        await Once(rstore).call("k", refund, "A-1", transactional=True)  # type: ignore[call-arg]
+    assert ran == []
