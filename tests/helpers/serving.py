@@ -14,16 +14,19 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-import httpx
-
-from asgi_idempotency.ops._serve import UvicornProcess, loopback_socket, uvicorn_process
+from asgi_idempotency.ops._serve import (
+    ExitedEarly,
+    UvicornProcess,
+    loopback_socket,
+    until_ready,
+    uvicorn_process,
+)
 
 __all__ = ["SERVERS", "Server", "ServerProcess", "UvicornProcess", "run_server", "run_uvicorn"]
 
@@ -69,7 +72,7 @@ def run_server(
             cmd = ["-m", "hypercorn", app, "--bind", f"fd://{fd}", "--workers", "1"]
             process = _spawn(cmd, env, log, pass_fds=(fd,))
             base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        with _ready(ServerProcess(process, base_url, log), ready_path, timeout) as up:
+        with until_ready(ServerProcess(process, base_url, log), ready_path, timeout) as up:
             yield up
         return
     # granian binds its own socket (it takes no descriptor): a port found free here may
@@ -81,16 +84,12 @@ def run_server(
         process = _spawn(cmd, env, log, pass_fds=())
         started = ServerProcess(process, f"http://127.0.0.1:{port}", log)
         try:
-            with _ready(started, ready_path, timeout) as up:
+            with until_ready(started, ready_path, timeout) as up:
                 yield up
             return
-        except _ExitedEarly:
+        except ExitedEarly:
             if attempt == 2:
                 raise
-
-
-class _ExitedEarly(RuntimeError):
-    pass
 
 
 def _spawn(
@@ -105,29 +104,6 @@ def _spawn(
             pass_fds=pass_fds,
             start_new_session=True,
         )
-
-
-@contextmanager
-def _ready(server: ServerProcess, ready_path: str, timeout: float) -> Iterator[ServerProcess]:
-    """``server`` once it answers; killed (its whole process group) on exit, however."""
-    try:
-        deadline = time.monotonic() + timeout
-        while not _answers(server.base_url + ready_path):
-            if server.process.poll() is not None:
-                raise _ExitedEarly(f"the server exited early:\n{server.log.read_text()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready:\n{server.log.read_text()}")
-            time.sleep(0.1)
-        yield server
-    finally:
-        server.kill()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code < 500
-    except httpx.TransportError:
-        return False
 
 
 def _free_port() -> int:

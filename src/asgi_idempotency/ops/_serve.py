@@ -160,14 +160,33 @@ def uvicorn_process(
         server = UvicornProcess(proc, _base_url(sock), log)
     # The child holds the socket now; this process's copy is closed, so the port is
     # released once the child dies and a killed server refuses connections.
+    with until_ready(server, ready_path, timeout) as up:
+        yield up
+
+
+class ExitedEarly(RuntimeError):
+    """The server process exited before it answered."""
+
+
+@contextmanager
+def until_ready(
+    server: UvicornProcess, ready_path: str, timeout: float
+) -> Iterator[UvicornProcess]:
+    """``server`` once ``GET ready_path`` answers below 500; its process group SIGKILLed
+    on exit, however the block ends.
+
+    Raises:
+        ExitedEarly: the process exited first (with its log).
+        RuntimeError: it has not answered within ``timeout`` seconds (with its log).
+    """
     try:
         deadline = time.monotonic() + timeout
         while not _answers(server.base_url + ready_path):
             # Another process: nothing to wait on but its answers.
-            if proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited early:\n{log.read_text()}")
+            if server.process.poll() is not None:
+                raise ExitedEarly(f"the server exited early:\n{server.log.read_text()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not become ready:\n{log.read_text()}")
+                raise RuntimeError(f"the server did not become ready:\n{server.log.read_text()}")
             time.sleep(0.1)
         yield server
     finally:
