@@ -43,19 +43,24 @@ Exit codes, for scripts (:class:`Exit`, :data:`EXIT_MEANINGS`; ``--help`` lists 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import math
 import sys
 import textwrap
-import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TextIO
 
 from asgi_idempotency import __version__
 from asgi_idempotency.ops import commands
-from asgi_idempotency.ops.commands._common import EXIT_MEANINGS, CLIError, Exit, nothing_to
+from asgi_idempotency.ops.commands._common import (
+    EXIT_MEANINGS,
+    Exit,
+    nothing_to,
+    reported,
+)
 from asgi_idempotency.stores.registry import kind_of
 from asgi_idempotency.stores.urls import ACCEPTED, ENV_URL
 from asgi_idempotency.stores.urls import async_url as normalize_url
@@ -507,22 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) and usage errors (2)
         return exc.code if isinstance(exc.code, int) else Exit.USAGE
     out = sys.stdout
-    try:
-        code: Exit = args.func(args, out)
-    except CLIError as exc:
-        print(f"asgi-idempotency {args.command}: {exc}", file=sys.stderr)
-        return int(exc.code)
-    except KeyboardInterrupt:
-        print(f"asgi-idempotency {args.command}: interrupted", file=sys.stderr)
-        return int(Exit.INTERRUPTED)
-    except Exception:
-        traceback.print_exc()
-        print(
-            f"asgi-idempotency {args.command}: internal error (a bug; please report it)",
-            file=sys.stderr,
-        )
-        return int(Exit.INTERNAL)
-    return int(code)
+    return reported(args.command, functools.partial(args.func, args, out))
 
 
 if __name__ == "__main__":

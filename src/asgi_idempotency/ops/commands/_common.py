@@ -94,6 +94,23 @@ class CLIError(Exception):
         self.code = code
 
 
+def reported(name: str, call: Callable[[], int]) -> int:
+    """``call()``'s exit code; a :class:`CLIError` printed as one line (its code), an
+    interrupt as one line (130), anything else a traceback and 70: a bug."""
+    try:
+        return int(call())
+    except CLIError as exc:
+        print(f"asgi-idempotency {name}: {exc}", file=sys.stderr)
+        return int(exc.code)
+    except KeyboardInterrupt:
+        print(f"asgi-idempotency {name}: interrupted", file=sys.stderr)
+        return int(Exit.INTERRUPTED)
+    except Exception:
+        traceback.print_exc()
+        print(f"asgi-idempotency {name}: internal error (a bug; please report it)", file=sys.stderr)
+        return int(Exit.INTERNAL)
+
+
 def command(name: str) -> Callable[[Callable[_P, int]], Callable[_P, int]]:
     """Makes ``func`` the command ``name``: its :class:`CLIError` becomes one line on stderr
     (``asgi-idempotency NAME: ...``) and its code, Ctrl-C 130, any other exception the
@@ -102,21 +119,7 @@ def command(name: str) -> Callable[[Callable[_P, int]], Callable[_P, int]]:
     def decorate(func: Callable[_P, int]) -> Callable[_P, int]:
         @functools.wraps(func)
         def run(*args: _P.args, **kwargs: _P.kwargs) -> int:
-            try:
-                return int(func(*args, **kwargs))
-            except CLIError as exc:
-                print(f"asgi-idempotency {name}: {exc}", file=sys.stderr)
-                return int(exc.code)
-            except KeyboardInterrupt:
-                print(f"asgi-idempotency {name}: interrupted", file=sys.stderr)
-                return int(Exit.INTERRUPTED)
-            except Exception:
-                traceback.print_exc()
-                print(
-                    f"asgi-idempotency {name}: internal error (a bug; please report it)",
-                    file=sys.stderr,
-                )
-                return int(Exit.INTERNAL)
+            return reported(name, functools.partial(func, *args, **kwargs))
 
         return run
 
